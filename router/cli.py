@@ -1,0 +1,7 @@
+"""The `kvroute` command."""
+
+from __future__ import annotations
+
+
+def main(argv: list[str] | None = None) -> int:
+    raise SystemExit("kvroute: not built yet")
