@@ -1,7 +1,78 @@
-"""The `kvroute` command."""
+"""The `kvroute` command: one binary, a subcommand per job.
+
+Each subcommand lives with the code it drives and registers itself here through a
+`register(subparsers)` function that adds its parser and sets `func` (argv namespace -> exit
+code). Imports are lazy so that `kvroute --help` stays fast.
+"""
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Callable
+
+# (module, description) per top-level subcommand; each module defines register(subparsers).
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("router.serve_cli", "run the KV-aware OpenAI-compatible reverse proxy"),
+    "explain": ("router.explain", "show how the running router would score a prompt"),
+    "events": ("indexer.cli", "capture, replay and tail vLLM KV event streams"),
+    "sim": ("engines.sim.cli", "run one simulated vLLM worker"),
+    "fleet": ("engines.sim.fleet", "run N simulated vLLM workers on free loopback ports"),
+    "demo": ("router.demo", "run the seeds' experiment on a simulated fleet"),
+    "bench": ("router.bench_cli", "benchmarks: index, proxy"),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvroute",
+        description="KV-cache-aware router for vLLM fleets.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in _COMMANDS.items():
+        if only is not None and name != only:
+            sub.add_parser(name, help=help_text)
+            continue
+        try:
+            register: Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None] = (
+                importlib.import_module(module).register
+            )
+        except ImportError as exc:  # a command whose optional pieces are missing
+            p = sub.add_parser(name, help=f"{help_text} (unavailable: {exc})")
+            p.set_defaults(func=_unavailable(name, exc))
+            continue
+        register(sub)
+    return parser
+
+
+def _unavailable(name: str, exc: Exception) -> Callable[[argparse.Namespace], int]:
+    def run(_: argparse.Namespace) -> int:
+        print(f"kvroute {name}: unavailable: {exc}", file=sys.stderr)
+        return 2
+
+    return run
+
 
 def main(argv: list[str] | None = None) -> int:
-    raise SystemExit("kvroute: not built yet")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if a in _COMMANDS), None)
+    parser = build_parser(only=command if command in _COMMANDS else None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    code: int = func(args)
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -36,7 +36,9 @@ class Reference:
         self.held: dict[str, dict[Key, set[str]]] = {w: {} for w in WORKERS}
         self.eng: dict[str, dict[int, Key]] = {w: {} for w in WORKERS}
 
-    def store(self, w: str, parent: int | None, base: Key, blocks: list[tuple[int, ...]], tier: str) -> None:
+    def store(
+        self, w: str, parent: int | None, base: Key, blocks: list[tuple[int, ...]], tier: str
+    ) -> None:
         if parent is not None:
             if parent not in self.eng[w]:
                 return
@@ -152,7 +154,12 @@ class IndexMachine(RuleBasedStateMachine):
         self.ref.store(w, parent, self.root(ns), blocks, tier)
         self.send(w, [event], lost_before=lost)
 
-    @rule(w=st.sampled_from(WORKERS), pick=st.integers(0, 1000), tier=st.sampled_from(TIERS), count=st.integers(1, 3))
+    @rule(
+        w=st.sampled_from(WORKERS),
+        pick=st.integers(0, 1000),
+        tier=st.sampled_from(TIERS),
+        count=st.integers(1, 3),
+    )
     def remove(self, w: str, pick: int, tier: str, count: int) -> None:
         held = sorted(self.ref.eng[w]) or [12345]
         hashes = [held[(pick + i * 7) % len(held)] for i in range(count)]

@@ -1,0 +1,184 @@
+"""ZMQ transport for KV event streams: one task per worker endpoint.
+
+Transport never parses: it yields (topic, seq, payload) and asks the worker's `WorkerIngest`
+what to do. ZMQ reconnects on its own with exponential backoff (RECONNECT_IVL..._MAX); a
+socket monitor tells us when a (re)connection happened so the first batch after it is treated
+as a possible gap (slow joiner). A worker's slow or dead endpoint never blocks another's task.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from indexer.ingest import ReplayRequest, WorkerIngest
+
+log = logging.getLogger("kvroute.subscriber")
+
+END_SEQ = b"\xff" * 8
+RECONNECT_MIN_MS = 100
+RECONNECT_MAX_MS = 5000
+
+
+@dataclass
+class SubscriberStatus:
+    endpoint: str
+    replay_endpoint: str | None
+    connected: bool = False
+    connects: int = 0
+    bad_frames: int = 0
+    last_message_at: float | None = None  # time.monotonic()
+
+
+def seq_bytes(seq: int) -> bytes:
+    return seq.to_bytes(8, "big", signed=seq < 0)
+
+
+def parse_seq(frame: bytes) -> int:
+    if len(frame) != 8:
+        raise ValueError(f"sequence frame has {len(frame)} bytes, expected 8")
+    return int.from_bytes(frame, "big", signed=frame == END_SEQ)
+
+
+class ReplayClient:
+    """DEALER side of vLLM's replay protocol: [b"", start] -> [b"", topic, seq, payload]...,
+    then an end marker whose seq is -1."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, timeout_s: float = 2.0) -> None:
+        self._ctx = ctx
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self._sock: zmq.asyncio.Socket | None = None
+
+    def _socket(self) -> zmq.asyncio.Socket:
+        if self._sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.endpoint)
+            self._sock = sock
+        return self._sock
+
+    async def fetch(self, start_seq: int) -> list[tuple[int, bytes]] | None:
+        """Every buffered batch from `start_seq`, or None if the engine did not answer."""
+        sock = self._socket()
+        await sock.send_multipart([b"", seq_bytes(start_seq)])
+        frames: list[tuple[int, bytes]] = []
+        while True:
+            try:
+                reply = await asyncio.wait_for(sock.recv_multipart(), self.timeout_s)
+            except TimeoutError:
+                self.close()  # late replies must not leak into the next request
+                return None
+            if len(reply) != 4:
+                log.warning("replay %s: reply with %d frames ignored", self.endpoint, len(reply))
+                continue
+            seq = parse_seq(reply[2])
+            if seq == -1:
+                return frames
+            frames.append((seq, reply[3]))
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+
+class EventSubscriber:
+    """Subscribes to one worker's KV events and feeds its ingest, in order."""
+
+    def __init__(
+        self,
+        ingest: WorkerIngest,
+        endpoint: str,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        ctx: zmq.asyncio.Context | None = None,
+        replay_timeout_s: float = 2.0,
+        on_batch: Callable[[], None] | None = None,
+    ) -> None:
+        self.ingest = ingest
+        self.topic = topic
+        self._ctx = ctx or zmq.asyncio.Context.instance()
+        self.status = SubscriberStatus(endpoint, replay_endpoint)
+        self._replay = (
+            ReplayClient(self._ctx, replay_endpoint, replay_timeout_s) if replay_endpoint else None
+        )
+        ingest.has_replay = self._replay is not None
+        self._on_batch = on_batch
+
+    async def run(self) -> None:
+        """Runs until cancelled."""
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MIN_MS)
+        sub.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sub.connect(self.status.endpoint)
+        watcher = asyncio.create_task(self._watch(monitor))
+        try:
+            while True:
+                frames = await sub.recv_multipart()
+                await self._handle(frames)
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+            sub.disable_monitor()
+            monitor.close(linger=0)
+            sub.close(linger=0)
+            if self._replay is not None:
+                self._replay.close()
+
+    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self.status.connected = True
+                self.status.connects += 1
+                self.ingest.reconnected()
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self.status.connected = False
+                log.warning(
+                    "worker %s: KV event stream %s disconnected; ZMQ will reconnect",
+                    self.ingest.worker,
+                    self.status.endpoint,
+                )
+
+    async def _handle(self, frames: list[bytes]) -> None:
+        self.status.last_message_at = time.monotonic()
+        try:
+            if len(frames) != 3:
+                raise ValueError(f"{len(frames)} frames, expected 3 (topic, seq, payload)")
+            seq = parse_seq(frames[1])
+        except ValueError as exc:
+            self.status.bad_frames += 1
+            self.ingest.counters.malformed += 1
+            log.debug("worker %s: bad message: %s", self.ingest.worker, exc)
+            return
+        request = self.ingest.on_live(seq, frames[2])
+        if request is not None:
+            await self._replay_gap(request)
+        if self._on_batch is not None:
+            self._on_batch()
+
+    async def _replay_gap(self, request: ReplayRequest) -> None:
+        assert self._replay is not None  # the ingest asks only when it has one
+        try:
+            frames = await self._replay.fetch(request.start_seq)
+        except (zmq.ZMQError, ValueError) as exc:
+            log.warning(
+                "worker %s: replay from %d failed: %s", request.worker, request.start_seq, exc
+            )
+            frames = None
+        self.ingest.finish_replay(frames)

@@ -1,0 +1,116 @@
+from __future__ import annotations
+
+import pytest
+
+from indexer.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from indexer.hashing import EngineBlockHash, Namespace, hash_request
+from indexer.index import Overlap, PrefixIndex, UnknownWorker
+
+BS = 4
+A = list(range(16))  # four blocks
+B = [*A[:8], 90, 91, 92, 93]  # shares two blocks with A
+
+
+def eh(*ids: int) -> list[EngineBlockHash]:
+    return [EngineBlockHash(i) for i in ids]
+
+
+def stored(
+    hashes: list[EngineBlockHash], tokens: list[int], parent: int | None = None, tier: str = "GPU"
+) -> EventBatch:
+    p = None if parent is None else EngineBlockHash(parent)
+    return EventBatch(0.0, [BlockStored(hashes, p, tokens, BS, tier)])
+
+
+def q(tokens: list[int]) -> list[int]:
+    return list(hash_request(tokens, BS, Namespace()))
+
+
+@pytest.fixture
+def index() -> PrefixIndex:
+    ix = PrefixIndex()
+    for w in ("a", "b"):
+        ix.add_worker(w)
+    return ix
+
+
+def test_leading_contiguous_per_worker(index: PrefixIndex) -> None:
+    index.apply("a", stored(eh(1, 2, 3, 4), A))
+    index.apply("b", stored(eh(1, 2), A[:8]))
+    index.apply("b", stored(eh(5, 6), [*B[8:], 94, 95, 96, 97], parent=2))
+    assert index.find_matches(q(A)) == {"a": Overlap(4, {"GPU": 4}), "b": Overlap(2, {"GPU": 2})}
+    assert index.find_matches(q(B)) == {"a": Overlap(2, {"GPU": 2}), "b": Overlap(3, {"GPU": 3})}
+    assert index.find_matches(q([7] * 16)) == {}
+    assert index.find_matches([]) == {}
+
+
+def test_removed_middle_block_cuts_the_run(index: PrefixIndex) -> None:
+    index.apply("a", stored(eh(1, 2, 3, 4), A))
+    index.apply("a", EventBatch(0.0, [BlockRemoved(eh(2))]))
+    assert index.find_matches(q(A)) == {"a": Overlap(1, {"GPU": 1})}
+    index.verify()
+
+
+def test_tiers_split_and_gpu_wins(index: PrefixIndex) -> None:
+    index.apply("a", stored(eh(1, 2), A[:8]))
+    index.apply("a", stored(eh(1, 2, 3, 4), A, tier="CPU"))
+    assert index.find_matches(q(A)) == {"a": Overlap(4, {"GPU": 2, "CPU": 2})}
+    index.apply("a", EventBatch(0.0, [BlockRemoved(eh(1), "GPU")]))
+    assert index.find_matches(q(A)) == {"a": Overlap(4, {"CPU": 3, "GPU": 1})}
+    index.apply("a", EventBatch(0.0, [BlockRemoved(eh(1), "CPU")]))
+    assert index.find_matches(q(A)) == {}
+    index.verify()
+
+
+def test_unknown_parent_is_counted_not_guessed(index: PrefixIndex) -> None:
+    res = index.apply("a", stored(eh(3, 4), A[8:], parent=99))
+    assert res.unknown_parent == 1 and res.stored == 0
+    assert index.find_matches(q(A)) == {}
+
+
+def test_clear_and_remove_worker(index: PrefixIndex) -> None:
+    index.apply("a", stored(eh(1, 2, 3, 4), A))
+    index.apply("b", stored(eh(1, 2, 3, 4), A))
+    res = index.apply("a", EventBatch(0.0, [AllBlocksCleared()]))
+    assert res.cleared == 1
+    assert set(index.find_matches(q(A))) == {"b"}
+    index.remove_worker("b")
+    assert index.find_matches(q(A)) == {}
+    assert index.stats()["blocks"] == 0
+    index.add_worker("c")  # reuses b's bit, which must be clean
+    assert index.find_matches(q(A)) == {}
+
+
+def test_unknown_worker_is_named(index: PrefixIndex) -> None:
+    with pytest.raises(UnknownWorker, match="'ghost'"):
+        index.apply("ghost", stored(eh(1), A[:4]))
+
+
+def test_bound_drops_the_storing_workers_oldest_block() -> None:
+    index = PrefixIndex(max_entries=4)
+    index.add_worker("a")
+    index.add_worker("b")
+    index.apply("a", stored(eh(1, 2, 3), A[:12]))
+    index.apply("b", stored(eh(1), A[:4]))
+    res = index.apply("a", stored(eh(4), A[12:], parent=3))
+    assert res.evicted_at_bound == 1 and index.evicted_at_bound == 1
+    stats = index.stats()
+    assert stats["entries"] == 4 and stats["per_worker"] == {"a": 3, "b": 1}
+    # a's first block went, so its chain no longer matches from the start
+    assert index.find_matches(q(A)) == {"b": Overlap(1, {"GPU": 1})}
+    index.verify()
+
+
+def test_duplicate_store_is_idempotent(index: PrefixIndex) -> None:
+    index.apply("a", stored(eh(1, 2), A[:8]))
+    index.apply("a", stored(eh(1, 2), A[:8]))
+    assert index.stats()["entries"] == 2
+    index.verify()
+
+
+def test_namespaced_chains_match_only_their_namespace(index: PrefixIndex) -> None:
+    batch = EventBatch(0.0, [BlockStored(eh(1, 2), None, A[:8], BS, lora_name="ad")])
+    index.apply("a", batch)
+    assert index.find_matches(q(A)) == {}
+    lora = hash_request(A, BS, Namespace(lora_name="ad"))
+    assert index.find_matches(lora) == {"a": Overlap(2, {"GPU": 2})}
