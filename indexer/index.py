@@ -224,29 +224,42 @@ class PrefixIndex:
         eng, kids, bit = w.eng, w.kids, w.bit
         masks = self._masks if tier == DEFAULT_TIER else self._other.setdefault(tier, {})
         parents = self._parent
+        multi_tier = bool(self._other)
+        # The first block's parent may be missing (a hole); every later block's parent is
+        # the block stored just before it, held by construction.
+        check_parent = True
+        new = 0
         for eh, rh in zip(engine_hashes, router_hashes, strict=True):
             m = masks.get(rh, 0)
             if not m & bit:
                 masks[rh] = m | bit
-                if not (self._other and self._held_outside(rh, bit, tier)):
-                    if self._entries >= self.max_entries:
+                new += 1
+                if not (multi_tier and self._held_outside(rh, bit, tier)):
+                    if self._entries + new > self.max_entries:
+                        self._entries += new - 1
+                        w.entries += new - 1
+                        new = 1
                         self._evict_one(w, res)
-                    w.entries += 1
-                    self._entries += 1
-                    if rh not in parents:
-                        parents[rh] = parent
+                        check_parent = True
+                    parents.setdefault(rh, parent)
                     if parent is not None:
                         kids[parent] = kids.get(parent, 0) + 1
-                        if not self._held_any(parent, bit):
+                        if check_parent and not self._held_any(parent, bit):
                             w.holes += 1
                             self._holes_total += 1
-                    k = kids.get(rh)
-                    if k:
-                        w.holes -= k
-                        self._holes_total -= k
+                    if w.holes:
+                        k = kids.get(rh)
+                        if k:
+                            w.holes -= k
+                            self._holes_total -= k
+                else:
+                    new -= 1  # already held in another tier: no new entry
                 res.stored += 1
             eng[eh] = rh
             parent = rh
+            check_parent = False
+        w.entries += new
+        self._entries += new
 
     def remove_hashes(
         self,
