@@ -433,6 +433,11 @@ class PrefixIndex:
 
     # ---- introspection -------------------------------------------------------------------
 
+    def entries_of(self, name: str) -> int:
+        """How many blocks a worker holds (any tier)."""
+        w = self._workers.get(name)
+        return w.entries if w is not None else 0
+
     def holds(self, name: str) -> set[RouterBlockHash]:
         """Every router hash a worker holds in any tier (tests, `kvroute events replay`)."""
         return set(self._worker(name).eng.values())

@@ -75,5 +75,8 @@ class TtlIndex:
                 self._order.remove((until, w, rh))
         self._index.remove_worker(worker)
 
+    def entries_of(self, worker: str) -> int:
+        return self._index.entries_of(worker)
+
     def __len__(self) -> int:
         return len(self._expiry)

@@ -1,0 +1,75 @@
+"""kvroute's one error tree. Library exceptions become these in one place; each carries an
+OpenAI-style `type`, an HTTP status, and the ext_proc immediate-response status it maps to."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class KvrouteError(Exception):
+    status = 500
+    type = "internal_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error body (vLLM uses the same shape)."""
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code or self.status,
+            }
+        }
+
+
+class BadRequest(KvrouteError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class NotFound(KvrouteError):
+    status = 404
+    type = "not_found_error"
+
+
+class MethodNotAllowed(KvrouteError):
+    status = 405
+    type = "invalid_request_error"
+
+
+class PayloadTooLarge(KvrouteError):
+    status = 413
+    type = "invalid_request_error"
+
+
+class Overloaded(KvrouteError):
+    status = 429
+    type = "rate_limit_error"
+
+
+class UpstreamError(KvrouteError):
+    status = 502
+    type = "upstream_error"
+
+
+class NoWorkerAvailable(KvrouteError):
+    status = 503
+    type = "service_unavailable"
+
+
+class UpstreamTimeout(KvrouteError):
+    status = 504
+    type = "timeout_error"
+
+
+class ConfigError(KvrouteError):
+    """Bad configuration found at start: names the field and the fix."""
+
+    status = 500
+    type = "config_error"

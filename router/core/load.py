@@ -1,0 +1,98 @@
+"""In-flight load per worker: what this router sent (counted at the pick, so a burst cannot
+all land on one worker before the first completes), blended with what the workers' /metrics
+say (so several router replicas see each other's traffic)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class LoadView:
+    requests: int  # in flight, best of local and scraped (running + waiting)
+    prefill_tokens: int  # uncached prompt tokens of local requests before their first token
+    decode_blocks: float  # KV blocks of requests in decode, local or scraped
+    kv_usage: float | None = None  # the engine's own gauge, 0..1, if scraped
+
+
+@dataclass
+class Ticket:
+    worker: str
+    prefill_tokens: int
+    blocks: int
+    first_token_seen: bool = False
+    done: bool = False
+
+
+@dataclass
+class _Local:
+    requests: int = 0
+    prefill_tokens: int = 0
+    decode_blocks: int = 0
+
+
+@dataclass
+class _Scraped:
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float | None = None
+    capacity_blocks: int | None = None
+
+
+@dataclass
+class LoadTracker:
+    _local: dict[str, _Local] = field(default_factory=dict)
+    _scraped: dict[str, _Scraped] = field(default_factory=dict)
+
+    def start(self, worker: str, uncached_tokens: int, blocks: int) -> Ticket:
+        """Count a request at the moment it is routed."""
+        local = self._local.setdefault(worker, _Local())
+        local.requests += 1
+        local.prefill_tokens += uncached_tokens
+        return Ticket(worker, uncached_tokens, blocks)
+
+    def first_token(self, t: Ticket) -> None:
+        if t.first_token_seen or t.done:
+            return
+        t.first_token_seen = True
+        local = self._local[t.worker]
+        local.prefill_tokens -= t.prefill_tokens
+        local.decode_blocks += t.blocks
+
+    def finish(self, t: Ticket) -> None:
+        if t.done:
+            return
+        local = self._local[t.worker]
+        if t.first_token_seen:
+            local.decode_blocks -= t.blocks
+        else:
+            local.prefill_tokens -= t.prefill_tokens
+        local.requests -= 1
+        t.done = True
+
+    def scraped(
+        self,
+        worker: str,
+        running: float,
+        waiting: float,
+        kv_usage: float | None,
+        capacity_blocks: int | None,
+    ) -> None:
+        self._scraped[worker] = _Scraped(running, waiting, kv_usage, capacity_blocks)
+
+    def view(self, worker: str) -> LoadView:
+        local = self._local.get(worker, _Local())
+        s = self._scraped.get(worker)
+        if s is None:
+            return LoadView(local.requests, local.prefill_tokens, local.decode_blocks)
+        engine_blocks = (s.kv_usage or 0.0) * (s.capacity_blocks or 0)
+        return LoadView(
+            max(local.requests, round(s.running + s.waiting)),
+            local.prefill_tokens,
+            max(float(local.decode_blocks), engine_blocks),
+            s.kv_usage,
+        )
+
+    def forget(self, worker: str) -> None:
+        self._local.pop(worker, None)
+        self._scraped.pop(worker, None)

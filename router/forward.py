@@ -1,0 +1,203 @@
+"""Forwarding one request to one worker: pooled keep-alive connections, headers cleaned,
+responses streamed through as they arrive (SSE first byte latency preserved), the engine's
+reported cached tokens sniffed on the way."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+import msgspec
+
+from router.asgi import Send
+from router.core.errors import UpstreamError, UpstreamTimeout
+
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"trailers",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+        b"content-length",
+    }
+)
+# Routing decisions belong to the router; a client must not be able to steer them.
+ROUTING_HEADERS = frozenset(
+    {
+        b"x-kvroute-worker",
+        b"x-gateway-destination-endpoint",
+        b"x-gateway-destination-endpoint-subset",
+        b"x-gateway-destination-endpoint-served",
+    }
+)
+_json = msgspec.json.Decoder()
+
+
+class ConnectFailed(Exception):
+    """Nothing reached the worker and nothing reached the client: safe to retry elsewhere."""
+
+    def __init__(self, worker: str, detail: str) -> None:
+        super().__init__(f"{worker}: {detail}")
+        self.worker = worker
+        self.detail = detail
+
+
+@dataclass
+class Outcome:
+    status: int
+    cached_tokens: int | None = None
+    bytes_out: int = 0
+
+
+def upstream_headers(
+    client_headers: list[tuple[bytes, bytes]], request_id: bytes, extra_strip: bytes
+) -> list[tuple[bytes, bytes]]:
+    out = [
+        (k, v)
+        for k, v in client_headers
+        if k not in HOP_BY_HOP
+        and k not in ROUTING_HEADERS
+        and k != extra_strip
+        and k != b"x-request-id"
+    ]
+    out.append((b"x-request-id", request_id))
+    return out
+
+
+class Forwarder:
+    def __init__(self, client: httpx.AsyncClient, worker_header: bytes) -> None:
+        self.client = client
+        self.worker_header = worker_header
+
+    async def forward(
+        self,
+        *,
+        worker: str,
+        url: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        send: Send,
+        request_id: bytes,
+        on_first_byte: Callable[[], None],
+    ) -> Outcome:
+        request = self.client.build_request("POST", url, headers=headers, content=body)
+        try:
+            response = await self.client.send(request, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            raise ConnectFailed(worker, f"{type(exc).__name__}: {exc}") from None
+        except httpx.TimeoutException:
+            raise UpstreamTimeout(f"worker {worker} did not answer in time") from None
+        except httpx.HTTPError as exc:
+            raise UpstreamError(f"worker {worker} failed: {type(exc).__name__}: {exc}") from None
+        try:
+            return await self._relay(worker, response, send, request_id, on_first_byte)
+        finally:
+            await response.aclose()
+
+    async def _relay(
+        self,
+        worker: str,
+        response: httpx.Response,
+        send: Send,
+        request_id: bytes,
+        on_first_byte: Callable[[], None],
+    ) -> Outcome:
+        headers = [
+            (k, v)
+            for k, v in response.headers.raw
+            if k.lower() not in HOP_BY_HOP and k.lower() != b"x-request-id"
+        ]
+        headers += [(self.worker_header, worker.encode()), (b"x-request-id", request_id)]
+        ctype = response.headers.get("content-type", "")
+        outcome = Outcome(response.status_code)
+        if ctype.startswith("application/json"):
+            return await self._relay_buffered(
+                worker, response, send, headers, outcome, on_first_byte
+            )
+        await send(
+            {"type": "http.response.start", "status": response.status_code, "headers": headers}
+        )
+        sniffer = _UsageSniffer()
+        first = True
+        try:
+            async for chunk in response.aiter_raw():
+                if first:
+                    on_first_byte()
+                    first = False
+                sniffer.feed(chunk)
+                outcome.bytes_out += len(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.HTTPError:
+            # the response already started: all we can do is end it
+            outcome.status = 502
+        await send({"type": "http.response.body", "body": b""})
+        outcome.cached_tokens = sniffer.cached_tokens
+        return outcome
+
+    async def _relay_buffered(
+        self,
+        worker: str,
+        response: httpx.Response,
+        send: Send,
+        headers: list[tuple[bytes, bytes]],
+        outcome: Outcome,
+        on_first_byte: Callable[[], None],
+    ) -> Outcome:
+        try:
+            body = await response.aread()
+        except httpx.TimeoutException:
+            raise UpstreamTimeout(f"worker {worker} timed out sending its response") from None
+        except httpx.HTTPError as exc:
+            raise UpstreamError(f"worker {worker} broke off its response: {exc}") from None
+        on_first_byte()
+        outcome.cached_tokens = cached_tokens_of(body)
+        outcome.bytes_out = len(body)
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send(
+            {"type": "http.response.start", "status": response.status_code, "headers": headers}
+        )
+        await send({"type": "http.response.body", "body": body})
+        return outcome
+
+
+def cached_tokens_of(body: bytes) -> int | None:
+    """usage.prompt_tokens_details.cached_tokens of an OpenAI response, if reported."""
+    if b"prompt_tokens_details" not in body:
+        return None
+    try:
+        doc = _json.decode(body)
+        details = (doc.get("usage") or {}).get("prompt_tokens_details") or {}
+        value = details.get("cached_tokens")
+    except (msgspec.DecodeError, AttributeError):
+        return None
+    return value if isinstance(value, int) else None
+
+
+class _UsageSniffer:
+    """Finds the usage chunk of an SSE stream (stream_options.include_usage) without parsing
+    the rest."""
+
+    def __init__(self) -> None:
+        self.cached_tokens: int | None = None
+        self._tail = b""
+
+    def feed(self, chunk: bytes) -> None:
+        if b"prompt_tokens_details" not in chunk and not self._tail:
+            return
+        data = self._tail + chunk
+        lines = data.split(b"\n")
+        self._tail = lines.pop() if not data.endswith(b"\n") else b""
+        if len(self._tail) > 65536:
+            self._tail = b""
+        for line in lines:
+            if line.startswith(b"data: {") and b"prompt_tokens_details" in line:
+                found = cached_tokens_of(line[6:])
+                if found is not None:
+                    self.cached_tokens = found

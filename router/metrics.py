@@ -1,0 +1,147 @@
+"""Prometheus metrics for the router, kept in wrappers (the core never touches them).
+
+Counters that live in the ingest layer (events, gaps, replays, resyncs, malformed payloads)
+are read at scrape time by a collector instead of being incremented twice."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from router.workers import WorkerPool
+
+HEALTH_STATES = ("OK", "NO_EVENTS", "STALE", "RESYNCING", "DISABLED")
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "kvroute_requests_total",
+            "Requests by chosen worker and outcome",
+            ["worker", "outcome"],
+            registry=r,
+        )
+        self.decision_seconds = Histogram(
+            "kvroute_route_decision_seconds",
+            "Tokenize + hash + lookup + score time",
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1),
+            registry=r,
+        )
+        self.predicted_overlap = Histogram(
+            "kvroute_predicted_overlap_ratio",
+            "Predicted cached fraction of the prompt",
+            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0),
+            registry=r,
+        )
+        self.predicted_tokens = Counter(
+            "kvroute_predicted_cached_tokens_total",
+            "Cached tokens the router predicted",
+            ["worker"],
+            registry=r,
+        )
+        self.reported_tokens = Counter(
+            "kvroute_reported_cached_tokens_total",
+            "Cached tokens the engine reported (usage.prompt_tokens_details.cached_tokens)",
+            ["worker"],
+            registry=r,
+        )
+        self.fidelity = Counter(
+            "kvroute_prediction_fidelity_total",
+            "Predicted vs reported cached blocks per request: exact, over or under",
+            ["worker", "result"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "kvroute_retries_total",
+            "Requests retried on another worker after a connect failure",
+            ["worker"],
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "kvroute_inflight_requests",
+            "Requests this router has in flight",
+            ["worker"],
+            registry=r,
+        )
+
+    def attach(self, pool: WorkerPool) -> None:
+        self.registry.register(_PoolCollector(lambda: pool))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _PoolCollector(Collector):
+    def __init__(self, pool: Callable[[], WorkerPool]) -> None:
+        self._pool = pool
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        pool = self._pool()
+        events = CounterMetricFamily(
+            "kvroute_kv_events", "KV events applied, by worker and type", labels=["worker", "type"]
+        )
+        counters = {
+            name: CounterMetricFamily(f"kvroute_kv_{name}", help_text, labels=["worker"])
+            for name, help_text in (
+                ("sequence_gaps", "Sequence gaps detected in a worker's KV event stream"),
+                ("replays", "Replay requests sent to a worker's replay socket"),
+                ("replay_failures", "Replays that timed out or failed"),
+                ("resyncs", "Times a worker's index was cleared after unrecoverable loss"),
+                ("restarts", "Engine restarts detected (sequence went backwards)"),
+                ("malformed", "Malformed KV event messages dropped"),
+                ("unknown_parent", "BlockStored events whose parent was never seen"),
+            )
+        }
+        health = GaugeMetricFamily(
+            "kvroute_worker_event_health",
+            "1 for the worker's current event-health state",
+            labels=["worker", "state"],
+        )
+        mode = GaugeMetricFamily(
+            "kvroute_worker_mode",
+            "1 for the worker's current routing mode",
+            labels=["worker", "mode"],
+        )
+        available = GaugeMetricFamily(
+            "kvroute_worker_available", "1 while the worker passes health checks", labels=["worker"]
+        )
+        cached = GaugeMetricFamily(
+            "kvroute_index_blocks", "Blocks the index shows on each worker", labels=["worker"]
+        )
+        load = GaugeMetricFamily(
+            "kvroute_inflight_prefill_tokens",
+            "Uncached prompt tokens awaiting first token",
+            labels=["worker"],
+        )
+        for h in pool.handles.values():
+            name = h.name
+            report = pool.worker_report(h)
+            for state in HEALTH_STATES:
+                health.add_metric([name, state], 1.0 if report["event_health"] == state else 0.0)
+            for m in ("events", "approx"):
+                mode.add_metric([name, m], 1.0 if h.state.mode == m else 0.0)
+            available.add_metric([name], 1.0 if h.state.available else 0.0)
+            cached.add_metric([name], float(pool.core.index.entries_of(name)))
+            load.add_metric([name], float(pool.core.load.view(name).prefill_tokens))
+            if h.ingest is None:
+                continue
+            c = h.ingest.counters
+            for etype, n in c.events.items():
+                events.add_metric([name, etype], float(n))
+            for key, fam in counters.items():
+                attr = "gaps" if key == "sequence_gaps" else key
+                fam.add_metric([name], float(getattr(c, attr)))
+        yield events
+        yield from counters.values()
+        yield health
+        yield mode
+        yield available
+        yield cached
+        yield load

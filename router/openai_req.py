@@ -1,0 +1,101 @@
+"""What the router needs from an OpenAI-style request body, without changing the body (it is
+forwarded byte for byte, unknown fields included)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from router.core.errors import BadRequest
+
+_decoder = msgspec.json.Decoder()
+
+
+@dataclass(frozen=True)
+class RoutingInput:
+    kind: str  # "completion" | "chat"
+    model: str
+    prompt_text: str | None = None
+    prompt_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    template_extra: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    stream: bool = False
+    max_tokens: int = 16
+
+
+def parse(kind: str, body: bytes) -> RoutingInput:
+    try:
+        doc = _decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise BadRequest("request body must be a JSON object")
+    model = doc.get("model", "")
+    if not isinstance(model, str):
+        raise BadRequest("'model' must be a string", param="model")
+    salt = doc.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise BadRequest("'cache_salt' must be a string", param="cache_salt")
+    common: dict[str, Any] = {
+        "model": model,
+        "cache_salt": salt or None,
+        "stream": bool(doc.get("stream", False)),
+        "max_tokens": _max_tokens(doc),
+    }
+    if kind == "chat":
+        return _chat(doc, common)
+    return _completion(doc, common)
+
+
+def _max_tokens(doc: dict[str, Any]) -> int:
+    for key in ("max_completion_tokens", "max_tokens"):
+        value = doc.get(key)
+        if value is not None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise BadRequest(f"'{key}' must be a non-negative integer", param=key)
+            return value
+    return 16
+
+
+def _completion(doc: dict[str, Any], common: dict[str, Any]) -> RoutingInput:
+    prompt = doc.get("prompt")
+    # A batch of prompts is routed by its first prompt: the others go along to the same worker.
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return RoutingInput("completion", prompt_text=prompt, **common)
+    if isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
+    ):
+        if not prompt:
+            raise BadRequest("'prompt' is empty", param="prompt")
+        return RoutingInput("completion", prompt_ids=list(prompt), **common)
+    raise BadRequest(
+        "'prompt' must be a string, a list of token ids, or a batch of either", param="prompt"
+    )
+
+
+def _chat(doc: dict[str, Any], common: dict[str, Any]) -> RoutingInput:
+    messages = doc.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list", param="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a 'role'", param="messages")
+    extra = doc.get("chat_template_kwargs")
+    if extra is not None and not isinstance(extra, dict):
+        raise BadRequest("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    tools = doc.get("tools")
+    if tools is not None:
+        extra = {**(extra or {}), "tools": tools}
+    return RoutingInput(
+        "chat",
+        messages=messages,
+        add_generation_prompt=bool(doc.get("add_generation_prompt", True)),
+        template_extra=extra,
+        **common,
+    )
