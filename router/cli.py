@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         level=getattr(logging, str(args.log_level).upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # one line per upstream call at INFO drowns the router's own messages
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()

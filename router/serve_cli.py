@@ -44,6 +44,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--worker", action="append", metavar="URL", help="a vLLM worker, repeatable")
     p.add_argument("--workers-file", help="YAML list of workers, reloaded when it changes")
     p.add_argument(
+        "--workers-dns",
+        metavar="HOST:PORT",
+        help="a headless Service: every A "
+        "record is a worker, re-resolved every few seconds (Kubernetes)",
+    )
+    p.add_argument(
         "--tokenizer",
         help="folder with the model's tokenizer.json + tokenizer_config.json (fast), or "
         "'remote' to ask the workers' /tokenize (default: remote)",

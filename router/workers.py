@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +77,11 @@ class WorkerPool:
     async def start(self) -> None:
         await self.set_workers(self.config.workers)
         self._loops = [
+            *(
+                [asyncio.create_task(self._every(self.config.dns_interval_s, self.resolve_dns))]
+                if self.config.workers_dns
+                else []
+            ),
             asyncio.create_task(
                 self._every(self.config.health_check_interval_s, self.check_health)
             ),
@@ -113,6 +119,27 @@ class WorkerPool:
         for w in new:
             self._add(w)
         await asyncio.gather(*(self.discover(self.handles[w.name]) for w in new))
+
+    async def resolve_dns(self) -> None:
+        """workers_dns: a headless Service's A records are the worker pods (one per IP)."""
+        assert self.config.workers_dns is not None
+        host, _, port = self.config.workers_dns.rpartition(":")
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except OSError as exc:
+            log.error("workers_dns %s: %s (keeping the current workers)", host, exc)
+            return
+        ips = sorted({str(info[4][0]) for info in infos})
+        found = tuple(
+            WorkerConfig(f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}")
+            for ip in ips
+        )
+        current = {h.config for h in self.handles.values()}
+        wanted = (*self.config.workers, *found)
+        if set(wanted) != current:
+            log.warning("workers_dns %s: now %s", host, ", ".join(w.name for w in found) or "none")
+            await self.set_workers(wanted)
 
     def _add(self, w: WorkerConfig) -> None:
         mode_setting = self.config.worker_mode(w)

@@ -70,12 +70,22 @@ class Config:
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     seed: int | None = None
     workers_file: str | None = None  # reloaded on change
+    workers_dns: str | None = None  # HOST:PORT of a headless Service: one worker per A record
+    dns_interval_s: float = 5.0
 
     def validate(self) -> Config:
-        if not self.workers and not self.workers_file:
+        if not self.workers and not self.workers_file and not self.workers_dns:
             raise ConfigError(
                 "workers: no workers configured; pass --worker http://HOST:PORT (repeatable), "
-                "list them under `workers:` in kvroute.yaml, or set --workers-file"
+                "list them under `workers:` in kvroute.yaml, set --workers-file, or set "
+                "--workers-dns HEADLESS_SERVICE:PORT"
+            )
+        if self.workers_dns is not None:
+            host, _, port = self.workers_dns.rpartition(":")
+            _check(
+                bool(host) and port.isdigit(),
+                "workers_dns",
+                f"{self.workers_dns!r}: use HOST:PORT, e.g. vllm-workers.default.svc:8000",
             )
         _check(self.mode in MODES, "mode", f"{self.mode!r} is not one of {', '.join(MODES)}")
         _check(

@@ -1,0 +1,137 @@
+"""Child processes for the demo, benchmarks and tests: a simulated fleet and a router, each
+started on free loopback ports, waited for, and stopped by PID on every exit path."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import httpx
+
+from engines.sim.fleet import FleetProcess as _SimFleet
+from engines.sim.fleet import start_fleet_process
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class FleetProcess:
+    """`kvroute fleet` in a child process."""
+
+    def __init__(
+        self,
+        workers: int = 2,
+        *,
+        block_size: int = 16,
+        kv_blocks: int = 926,
+        extra: Sequence[str] = (),
+    ) -> None:
+        args = ["--block-size", str(block_size), "--kv-blocks", str(kv_blocks), *extra]
+        self._fleet: _SimFleet = start_fleet_process(workers, args)
+
+    @property
+    def workers(self) -> list[dict[str, Any]]:
+        return self._fleet.workers
+
+    @property
+    def urls(self) -> list[str]:
+        return [str(w["url"]) for w in self.workers]
+
+    def stop(self) -> None:
+        self._fleet.stop()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+class RouterProcess:
+    """`kvroute serve` in a child process, on a free port, waited for until /ready."""
+
+    def __init__(
+        self,
+        workers: Sequence[str],
+        *,
+        policy: str = "kv",
+        tokenizer: str | Path | None = None,
+        extra: Sequence[str] = (),
+        ready_timeout: float = 30.0,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [
+            sys.executable,
+            "-m",
+            "router.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            "--policy",
+            policy,
+        ]
+        for w in workers:
+            cmd += ["--worker", w]
+        if tokenizer is not None:
+            cmd += ["--tokenizer", str(tokenizer)]
+        cmd += list(extra)
+        self.log_path = Path(tempfile.mkdtemp(prefix="kvroute-router-")) / "router.log"
+        with self.log_path.open("wb") as log:
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            )
+        try:
+            self._wait_ready(ready_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvroute serve exited {self.proc.returncode}: {self.log()}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"kvroute serve not ready in {timeout} s: {self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

@@ -1,0 +1,156 @@
+"""The routing brain on a fake clock: stickiness, cache pressure, load bound, policies."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from indexer.clock import FakeClock
+from indexer.events import BlockStored, EventBatch
+from indexer.hashing import EngineBlockHash, Namespace
+from indexer.health import HealthTracker
+from router.core.config import ScoringConfig
+from router.core.errors import NoWorkerAvailable
+from router.core.picker import APPROX, EVENTS, RoutingCore, WorkerState
+
+BS = 4
+NS = Namespace()
+
+
+def prompt(seed: int, blocks: int = 8) -> list[int]:
+    return [seed * 1000 + i for i in range(blocks * BS)]
+
+
+def core(policy: str = "kv", n: int = 2, mode: str = EVENTS, **scoring: object) -> RoutingCore:
+    clock = FakeClock()
+    c = RoutingCore(clock, policy=policy, scoring=ScoringConfig(**scoring),  # type: ignore[arg-type]
+                    rng=random.Random(1))
+    for i in range(n):
+        c.add_worker(WorkerState(f"w{i}", mode, BS, capacity_blocks=100,
+                                 health=HealthTracker(f"w{i}", clock)))
+    return c
+
+
+def store(c: RoutingCore, worker: str, tokens: list[int]) -> None:
+    n = len(tokens) // BS
+    ehs = [EngineBlockHash(hash((worker, tuple(tokens[: (i + 1) * BS])))) for i in range(n)]
+    c.index.apply(worker, EventBatch(0.0, [BlockStored(ehs, None, tokens[: n * BS], BS)]))
+
+
+def test_sticks_to_the_worker_holding_the_prefix() -> None:
+    c = core()
+    store(c, "w1", prompt(1))
+    d = c.route(prompt(1) + [5, 6], NS)
+    assert d.best.worker == "w1" and d.best.overlap_blocks == 8
+    assert d.score_of("w0").overlap_blocks == 0
+
+
+def test_new_prefix_goes_where_the_cache_has_room() -> None:
+    c = core()
+    for s in range(5):
+        store(c, "w0", prompt(10 + s))
+    d = c.route(prompt(99), NS)
+    assert d.best.worker == "w1"
+    assert d.best.raw["headroom"] > d.score_of("w0").raw["headroom"]
+
+
+def test_prediction_covers_siblings_before_events_arrive() -> None:
+    c = core()
+    first = c.route(prompt(3), NS)
+    c.commit(first, "w1")
+    again = c.route(prompt(3), NS)
+    assert again.best.worker == "w1" and again.best.overlap_blocks == 8
+
+
+def test_prediction_expires() -> None:
+    c = core()
+    c.commit(c.route(prompt(3), NS), "w1")
+    c.predictions._clock.advance(6)  # type: ignore[attr-defined]
+    assert c.route(prompt(3), NS).score_of("w1").overlap_blocks == 0
+
+
+def test_approx_mode_records_routing_decisions_for_the_ttl() -> None:
+    c = core(mode=APPROX)
+    c.commit(c.route(prompt(4), NS), "w0")
+    assert c.route(prompt(4), NS).best.worker == "w0"
+    c.approx._clock.advance(121)  # type: ignore[attr-defined]
+    assert c.route(prompt(4), NS).score_of("w0").overlap_blocks == 0
+
+
+def test_load_bound_spills_a_hot_prefix() -> None:
+    c = core(balance_abs=2, balance_rel=1.0)
+    store(c, "w0", prompt(7))
+    placed = []
+    for _ in range(6):
+        d = c.route(prompt(7), NS)
+        placed.append(d.best.worker)
+        c.commit(d, d.best.worker)  # in flight, never finished
+    assert placed[:3] == ["w0", "w0", "w0"]
+    assert "w1" in placed
+    counts = {w: placed.count(w) for w in ("w0", "w1")}
+    assert counts["w0"] - counts["w1"] <= 3  # bound 2, plus the one that crossed it
+
+
+def test_commit_counts_load_and_finish_releases_it() -> None:
+    c = core()
+    d = c.route(prompt(8), NS)
+    t = c.commit(d, "w0")
+    assert c.load.view("w0").requests == 1 and c.load.view("w0").prefill_tokens == 32
+    c.load.first_token(t)
+    assert c.load.view("w0").prefill_tokens == 0 and c.load.view("w0").decode_blocks == 8
+    c.load.finish(t)
+    assert c.load.view("w0").requests == 0 and c.load.view("w0").decode_blocks == 0
+
+
+def test_round_robin_alternates() -> None:
+    c = core("round_robin")
+    order = []
+    for _ in range(4):
+        d = c.route(prompt(1), NS)
+        order.append(d.best.worker)
+        c.commit(d, d.best.worker)
+    assert order == ["w0", "w1", "w0", "w1"]
+
+
+def test_least_load_picks_fewest_in_flight() -> None:
+    c = core("least_load")
+    c.commit(c.route(prompt(1), NS), "w0")
+    assert c.route(prompt(1), NS).best.worker == "w1"
+
+
+def test_random_is_seeded() -> None:
+    picks = []
+    for _ in range(2):
+        c = core("random", n=4)
+        picks.append([c.route(prompt(i), NS).best.worker for i in range(10)])
+    assert picks[0] == picks[1] and len(set(picks[0])) > 1
+
+
+def test_softmax_temperature_sometimes_explores() -> None:
+    c = core(temperature=0.5)
+    store(c, "w1", prompt(1, blocks=2))
+    winners = {c.route(prompt(1), NS).best.worker for _ in range(200)}
+    assert winners == {"w0", "w1"}
+
+
+def test_no_worker_error_names_the_ejected_ones() -> None:
+    c = core()
+    for w in c.workers.values():
+        w.available = False
+    with pytest.raises(NoWorkerAvailable, match="w0, w1"):
+        c.route(prompt(1), NS)
+
+
+def test_explain_fills_in_the_formula() -> None:
+    c = core()
+    store(c, "w0", prompt(2))
+    text = c.route(prompt(2), NS).explain()
+    assert "w0: total" in text and "prefix" in text and "overlap 8 blocks" in text
+
+
+def test_health_learns_of_requests_expecting_new_blocks() -> None:
+    c = core()
+    c.commit(c.route(prompt(5), NS), "w0")
+    c.workers["w0"].health._clock.advance(11)  # type: ignore[union-attr,attr-defined]
+    assert c.workers["w0"].health.report().state.value == "NO_EVENTS"  # type: ignore[union-attr]
