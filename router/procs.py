@@ -3,6 +3,8 @@ started on free loopback ports, waited for, and stopped by PID on every exit pat
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -10,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -135,3 +137,46 @@ class RouterProcess:
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def _quiet_server_class() -> Any:
+    import uvicorn
+
+    class Quiet(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield  # signals belong to the host process (pytest), not to this server
+
+    return Quiet
+
+
+_QuietServer = _quiet_server_class()
+
+
+@contextlib.asynccontextmanager
+async def serve_in_process(app: Any, port: int | None = None) -> AsyncIterator[str]:
+    """Serve an ASGI app with uvicorn in this event loop (tests); yields its base URL."""
+    import uvicorn
+
+    port = port or free_port()
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+        loop="asyncio",
+    )
+    server = _QuietServer(config)
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:
+            if task.done():
+                task.result()
+                raise RuntimeError("server exited before it started")
+            await asyncio.sleep(0.01)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task

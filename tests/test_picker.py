@@ -24,11 +24,18 @@ def prompt(seed: int, blocks: int = 8) -> list[int]:
 
 def core(policy: str = "kv", n: int = 2, mode: str = EVENTS, **scoring: object) -> RoutingCore:
     clock = FakeClock()
-    c = RoutingCore(clock, policy=policy, scoring=ScoringConfig(**scoring),  # type: ignore[arg-type]
-                    rng=random.Random(1))
+    c = RoutingCore(
+        clock,
+        policy=policy,
+        scoring=ScoringConfig(**scoring),  # type: ignore[arg-type]
+        rng=random.Random(1),
+    )
     for i in range(n):
-        c.add_worker(WorkerState(f"w{i}", mode, BS, capacity_blocks=100,
-                                 health=HealthTracker(f"w{i}", clock)))
+        c.add_worker(
+            WorkerState(
+                f"w{i}", mode, BS, capacity_blocks=100, health=HealthTracker(f"w{i}", clock)
+            )
+        )
     return c
 
 
@@ -41,7 +48,7 @@ def store(c: RoutingCore, worker: str, tokens: list[int]) -> None:
 def test_sticks_to_the_worker_holding_the_prefix() -> None:
     c = core()
     store(c, "w1", prompt(1))
-    d = c.route(prompt(1) + [5, 6], NS)
+    d = c.route([*prompt(1), 5, 6], NS)
     assert d.best.worker == "w1" and d.best.overlap_blocks == 8
     assert d.score_of("w0").overlap_blocks == 0
 

@@ -1,0 +1,264 @@
+"""kvroute serve end to end on loopback: real uvicorn, real ZMQ, simulated vLLM workers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from engines.sim.config import SimConfig
+from engines.sim.fleet import Fleet, run_fleet
+from router.app import RouterApp
+from router.core.config import Config, ScoringConfig, WorkerConfig
+from router.procs import serve_in_process
+from router.tokenize import PACKAGED_TOKENIZER
+
+pytestmark = pytest.mark.timeout(120)
+
+DOC = " ".join(f"paragraph {i} about caches and routers and blocks." for i in range(120))
+
+
+@dataclass
+class Setup:
+    fleet: Fleet
+    app: RouterApp
+    url: str
+    client: httpx.AsyncClient
+
+
+@asynccontextmanager
+async def kvroute(
+    n: int = 2,
+    *,
+    no_events_on: tuple[int, ...] = (),
+    sim: SimConfig | None = None,
+    **config: Any,
+) -> AsyncIterator[Setup]:
+    base = sim or SimConfig(block_size=16, kv_blocks=512, topic="kv-events")
+    async with run_fleet(n, base, no_events_on=no_events_on) as fleet:
+        cfg = Config(
+            workers=tuple(WorkerConfig(u) for u in fleet.urls),
+            tokenizer=str(PACKAGED_TOKENIZER),
+            scrape_interval_s=0.2,
+            health_check_interval_s=0.2,
+            **config,
+        )
+        app = RouterApp(cfg)
+        async with (
+            serve_in_process(app) as url,
+            httpx.AsyncClient(base_url=url, timeout=30) as client,
+        ):
+            yield Setup(fleet, app, url, client)
+
+
+async def complete(client: httpx.AsyncClient, prompt: str, **extra: Any) -> httpx.Response:
+    body = {"model": "kvroute-sim", "prompt": prompt, "max_tokens": 4, **extra}
+    return await client.post("/v1/completions", json=body)
+
+
+def worker_of(resp: httpx.Response) -> str:
+    return resp.headers["x-kvroute-worker"]
+
+
+def cached(resp: httpx.Response) -> int:
+    return int(resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+async def wait_events(app: RouterApp, worker: str, blocks: int = 1) -> None:
+    for _ in range(200):
+        if app.core.index.entries_of(worker) >= blocks:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no KV events from {worker} reached the index")
+
+
+async def test_repeated_prefixes_stick_and_predictions_match_the_engine() -> None:
+    async with kvroute() as s:
+        first = await complete(s.client, DOC + " first question")
+        assert first.status_code == 200 and cached(first) == 0
+        await wait_events(s.app, worker_of(first))
+        for i in range(4):
+            again = await complete(s.client, DOC + f" question {i}")
+            assert worker_of(again) == worker_of(first)
+            route = await s.client.post("/debug/route", json={"prompt": DOC + f" question {i}"})
+            predicted = next(
+                w["overlap_blocks"]
+                for w in route.json()["workers"]
+                if w["worker"] == worker_of(first)
+            )
+            assert cached(again) > 0 and cached(again) // 16 == predicted
+        metrics = (await s.client.get("/metrics")).text
+        assert 'kvroute_prediction_fidelity_total{result="exact"' in metrics
+
+
+async def test_chat_and_completions_both_route_by_prefix() -> None:
+    async with kvroute() as s:
+        messages = [{"role": "system", "content": DOC}, {"role": "user", "content": "hi"}]
+        body = {"model": "kvroute-sim", "messages": messages, "max_tokens": 4}
+        first = await s.client.post("/v1/chat/completions", json=body)
+        assert first.status_code == 200, first.text
+        await wait_events(s.app, worker_of(first))
+        messages[1]["content"] = "and another thing"
+        second = await s.client.post("/v1/chat/completions", json=body)
+        assert worker_of(second) == worker_of(first) and cached(second) > 0
+        # a different document goes wherever there is room, then sticks there too
+        other = await complete(s.client, DOC.replace("caches", "queues"))
+        await wait_events(s.app, worker_of(other))
+        assert worker_of(
+            await complete(s.client, DOC.replace("caches", "queues") + " more")
+        ) == worker_of(other)
+
+
+async def test_openai_client_streams_through_kvroute() -> None:
+    openai = pytest.importorskip("openai")
+    async with kvroute() as s:
+        client = openai.AsyncOpenAI(base_url=f"{s.url}/v1", api_key="unused")
+        stream = await client.completions.create(
+            model="kvroute-sim",
+            prompt=DOC,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [c async for c in stream]
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        assert text and chunks[-1].usage is not None
+        chat = await client.chat.completions.create(
+            model="kvroute-sim",
+            messages=[{"role": "user", "content": DOC}],
+            max_tokens=4,
+            stream=True,
+        )
+        assert [c async for c in chat]
+        await client.close()
+
+
+async def test_approx_mode_sticks_without_events() -> None:
+    async with kvroute(no_events_on=(0, 1), mode="approx") as s:
+        first = await complete(s.client, DOC)
+        second = await complete(s.client, DOC + " again")
+        assert worker_of(second) == worker_of(first) and cached(second) > 0
+        health = (await s.client.get("/health")).json()
+        assert health["status"] == "ok"
+        assert {w["mode"] for w in health["workers"]} == {"approx"}
+
+
+async def test_health_names_a_worker_that_publishes_no_events() -> None:
+    async with kvroute(no_events_on=(1,), mode="events", event_grace_s=0.5) as s:
+        silent = s.fleet.workers[1]
+        name = f"127.0.0.1:{silent.port}"
+        # the silent worker must get a request before it can be judged: take the other one
+        # out of rotation for a moment
+        other = s.app.core.workers[f"127.0.0.1:{s.fleet.workers[0].port}"]
+        other.available = False
+        resp = await complete(s.client, DOC)
+        assert worker_of(resp) == name
+        other.available = True
+        await asyncio.sleep(0.7)
+        health = await s.client.get("/health")
+        assert health.status_code == 503
+        doc = health.json()
+        assert doc["unhealthy_workers"] == [name]
+        report = next(w for w in doc["workers"] if w["name"] == name)
+        assert report["status"] == "unhealthy"
+        assert "--kv-events-config" in json.dumps(report)
+        assert (
+            'kvroute_worker_event_health{state="NO_EVENTS",worker="' + name
+            in (await s.client.get("/metrics")).text
+        )
+
+
+async def test_killed_worker_is_ejected_and_requests_go_elsewhere() -> None:
+    async with kvroute() as s:
+        first = await complete(s.client, DOC)
+        victim = next(w for w in s.fleet.workers if f"127.0.0.1:{w.port}" == worker_of(first))
+        await victim.stop()
+        again = await complete(s.client, DOC)  # connect fails: retried on the other worker
+        assert again.status_code == 200 and worker_of(again) != worker_of(first)
+        for _ in range(3):
+            assert worker_of(await complete(s.client, DOC)) != worker_of(first)
+        health = (await s.client.get("/health")).json()
+        gone = next(w for w in health["workers"] if w["name"] == worker_of(first))
+        assert gone["available"] is False
+
+
+async def test_client_disconnect_cancels_the_worker_request() -> None:
+    async with kvroute(n=1) as s:
+        body = {
+            "model": "kvroute-sim",
+            "prompt": DOC,
+            "max_tokens": 4000,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        async with s.client.stream("POST", "/v1/completions", json=body) as resp:
+            async for _ in resp.aiter_bytes():
+                break  # got the first token: now hang up
+        worker = s.fleet.workers[0]
+        for _ in range(100):
+            if worker.engine.stats().running == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert worker.engine.stats().running == 0
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status"),
+    [
+        ("/v1/completions", b"{not json", 400),
+        ("/v1/completions", b"[1, 2]", 400),
+        ("/v1/completions", b'{"model": "m"}', 400),
+        ("/v1/completions", b'{"prompt": "x", "max_tokens": -1}', 400),
+        ("/v1/chat/completions", b'{"messages": []}', 400),
+        ("/v1/chat/completions", b'{"messages": [{"content": "no role"}]}', 400),
+        ("/v1/nope", b"{}", 404),
+    ],
+    ids=[
+        "not-json",
+        "not-object",
+        "no-prompt",
+        "negative-max-tokens",
+        "empty-messages",
+        "no-role",
+        "unknown-path",
+    ],
+)
+async def test_bad_requests_get_openai_style_errors(path: str, body: bytes, status: int) -> None:
+    async with kvroute(n=1) as s:
+        resp = await s.client.post(path, content=body, headers={"content-type": "application/json"})
+        assert resp.status_code == status
+        err = resp.json()["error"]
+        assert err["message"] and err["type"]
+
+
+async def test_oversized_body_is_413() -> None:
+    async with kvroute(n=1, max_body_bytes=1000) as s:
+        resp = await complete(s.client, "x" * 5000)
+        assert resp.status_code == 413 and "error" in resp.json()
+
+
+async def test_hot_prefix_burst_respects_the_load_bound() -> None:
+    scoring = ScoringConfig(balance_abs=2, balance_rel=1.0)
+    async with kvroute(scoring=scoring) as s:
+        warm = await complete(s.client, DOC)
+        await wait_events(s.app, worker_of(warm))
+        burst = await asyncio.gather(
+            *(complete(s.client, DOC + f" q{i}", max_tokens=64) for i in range(12))
+        )
+        placed = [worker_of(r) for r in burst]
+        counts = {w: placed.count(w) for w in set(placed)}
+        assert len(counts) == 2, counts  # spilled over
+        assert max(counts.values()) - min(counts.values()) <= 4, counts
+
+
+async def test_models_union_and_ready() -> None:
+    async with kvroute() as s:
+        assert (await s.client.get("/ready")).json() == {"ready": True}
+        models = (await s.client.get("/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == ["kvroute-sim"]
