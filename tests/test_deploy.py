@@ -1,0 +1,296 @@
+"""deploy/k8s: every manifest validates offline against the real Kubernetes JSON schemas
+(kubernetes-validate, strict: unknown fields are errors), and the wiring kvroute depends on
+holds: vLLM publishes KV events with a replay endpoint, the headless Service exposes them,
+kvroute's probes and ConfigMap line up with its command line and config loader."""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate  # dev extra: bundles the Kubernetes JSON schemas, works offline
+import pytest
+import yaml
+
+K8S_DIR = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
+# A fixed schema version keeps the test deterministic; the newest one the installed package
+# bundles catches fields that later Kubernetes releases removed or tightened.
+PINNED_VERSION = "1.33"
+NEWEST_VERSION = ".".join(kubernetes_validate.latest_version().split(".")[:2])  # "1.37"
+K8S_VERSIONS = sorted({PINNED_VERSION, NEWEST_VERSION})
+KUSTOMIZATION = "kustomization.yaml"
+
+Doc = dict[str, Any]
+
+
+def _load(path: Path) -> list[Doc]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def _manifest_files() -> list[Path]:
+    return sorted(p for p in K8S_DIR.glob("*.yaml") if p.name != KUSTOMIZATION)
+
+
+def _all_docs() -> list[tuple[str, Doc]]:
+    return [(p.name, d) for p in _manifest_files() for d in _load(p)]
+
+
+ALL_DOCS = _all_docs()
+
+
+def _find(kind: str, name: str) -> Doc:
+    found = [d for _, d in ALL_DOCS if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected exactly one {kind}/{name} in {K8S_DIR}, got {len(found)}"
+    return found[0]
+
+
+def _container(deployment: Doc, name: str) -> Doc:
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    found = [c for c in containers if c["name"] == name]
+    assert len(found) == 1, f"no single container {name!r} in {deployment['metadata']['name']}"
+    return found[0]
+
+
+def _flag(args: list[str], flag: str) -> str:
+    """The value after `flag` in an argument list (`--flag value` or `--flag=value`)."""
+    for i, arg in enumerate(args):
+        if arg == flag:
+            assert i + 1 < len(args), f"{flag} has no value"
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    raise AssertionError(f"{flag} missing from {args}")
+
+
+def _port(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
+def _container_ports(container: Doc) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in container["ports"]}
+
+
+# ---- schema validation ---------------------------------------------------------------
+
+
+def test_manifests_exist() -> None:
+    names = {p.name for p in _manifest_files()}
+    assert {"vllm.yaml", "kvroute.yaml"} <= names
+    kinds = sorted(f"{d['kind']}/{d['metadata']['name']}" for _, d in ALL_DOCS)
+    assert kinds == [
+        "ConfigMap/kvroute-config",
+        "Deployment/kvroute",
+        "Deployment/vllm",
+        "Service/kvroute",
+        "Service/vllm-workers",
+    ]
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize(
+    "doc",
+    [d for _, d in ALL_DOCS],
+    ids=[f"{f}:{d['kind']}/{d['metadata']['name']}" for f, d in ALL_DOCS],
+)
+def test_manifest_matches_kubernetes_schema(doc: Doc, version: str) -> None:
+    used = kubernetes_validate.validate(doc, version, strict=True)
+    assert used == version  # the bundled schema for exactly this version was used
+
+
+def test_validator_rejects_a_wrong_type() -> None:
+    broken = copy.deepcopy(_find("Deployment", "vllm"))
+    broken["spec"]["replicas"] = "two"
+    with pytest.raises(kubernetes_validate.ValidationError) as err:
+        kubernetes_validate.validate(broken, PINNED_VERSION, strict=True)
+    assert list(err.value.path) == ["spec", "replicas"]
+
+
+def test_validator_rejects_an_unknown_field_under_strict() -> None:
+    broken = copy.deepcopy(_find("Deployment", "kvroute"))
+    container = _container(broken, "kvroute")
+    container["readinesProbe"] = container.pop("readinessProbe")  # a typo kubectl would drop
+    kubernetes_validate.validate(broken, PINNED_VERSION, strict=False)
+    with pytest.raises(kubernetes_validate.ValidationError) as err:
+        kubernetes_validate.validate(broken, PINNED_VERSION, strict=True)
+    assert "readinesProbe" in err.value.message
+
+
+def test_validator_rejects_a_missing_required_field() -> None:
+    broken = copy.deepcopy(_find("Service", "kvroute"))
+    del broken["spec"]["ports"][0]["port"]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, PINNED_VERSION, strict=True)
+
+
+# ---- vLLM workers --------------------------------------------------------------------
+
+
+def test_vllm_publishes_kv_events_with_replay() -> None:
+    deployment = _find("Deployment", "vllm")
+    assert deployment["spec"]["replicas"] == 2
+    vllm = _container(deployment, "vllm")
+    assert vllm["image"] == "vllm/vllm-openai:v0.32.0"
+    args = vllm["args"]
+    assert _flag(args, "--model")
+    assert "--enable-prefix-caching" in args
+    assert "--no-enable-prefix-caching" not in args
+    assert int(_flag(args, "--block-size")) == 16
+    assert "--enable-prompt-tokens-details" in args  # cached_tokens in usage: fidelity metric
+
+    events = json.loads(_flag(args, "--kv-events-config"))
+    assert events.get("enable_kv_cache_events") is True
+    assert events.get("publisher") == "zmq"
+    assert events.get("endpoint") == "tcp://*:5557"
+    assert events.get("replay_endpoint") == "tcp://*:5558"
+    assert events.get("topic") == "kv-events"
+
+    ports = _container_ports(vllm)
+    assert ports["http"] == int(_flag(args, "--port")) == 8000
+    assert ports["kv-events"] == _port(events["endpoint"])
+    assert ports["kv-replay"] == _port(events["replay_endpoint"])
+
+
+def test_vllm_needs_a_gpu_and_is_ready_on_health() -> None:
+    vllm = _container(_find("Deployment", "vllm"), "vllm")
+    assert int(vllm["resources"]["limits"]["nvidia.com/gpu"]) >= 1
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert vllm[probe]["httpGet"]["path"] == "/health"
+        assert vllm[probe]["httpGet"]["port"] in ("http", 8000)
+
+
+def test_headless_service_exposes_the_event_ports() -> None:
+    service = _find("Service", "vllm-workers")
+    spec = service["spec"]
+    assert spec["clusterIP"] == "None"
+    assert spec["publishNotReadyAddresses"] is False  # DNS lists only pods that are ready
+    ports = {p["name"]: p for p in spec["ports"]}
+    assert {n: p["port"] for n, p in ports.items()} == {
+        "http": 8000,
+        "kv-events": 5557,
+        "kv-replay": 5558,
+    }
+    vllm_pods = _find("Deployment", "vllm")["spec"]["template"]
+    container_ports = _container_ports(_container(_find("Deployment", "vllm"), "vllm"))
+    for name, port in ports.items():
+        assert name in container_ports, f"Service port {name} has no matching container port"
+        assert port["targetPort"] in (name, container_ports[name])
+    labels = vllm_pods["metadata"]["labels"]
+    assert spec["selector"].items() <= labels.items()
+
+
+# ---- kvroute -------------------------------------------------------------------------
+
+
+def _kvroute_config() -> Doc:
+    config_map = _find("ConfigMap", "kvroute-config")
+    config = yaml.safe_load(config_map["data"]["kvroute.yaml"])
+    assert isinstance(config, dict)
+    return config
+
+
+def test_kvroute_config_points_at_the_headless_service() -> None:
+    config = _kvroute_config()
+    host, _, port = config["workers_dns"].rpartition(":")
+    service = _find("Service", "vllm-workers")
+    http_port = next(p["port"] for p in service["spec"]["ports"] if p["name"] == "http")
+    assert int(port) == http_port
+    name, namespace, rest = host.split(".", 2)
+    assert name == service["metadata"]["name"]
+    assert rest == "svc.cluster.local"
+    kustomization = yaml.safe_load((K8S_DIR / KUSTOMIZATION).read_text())
+    assert namespace == kustomization["namespace"], (
+        "workers_dns names a different namespace than the one kustomization.yaml deploys to"
+    )
+    assert config["mode"] == "auto"
+    assert config["policy"] == "kv"
+    assert config["tokenizer"] == "remote" or config["tokenizer"].startswith("/")
+
+
+def test_kvroute_config_loads_with_the_real_config_loader() -> None:
+    from router.core.config import from_mapping
+
+    config = from_mapping(_kvroute_config()).validate()  # unknown keys are errors there
+    assert config.workers_dns == _kvroute_config()["workers_dns"]
+    assert config.workers == ()
+
+
+def test_kvroute_command_probes_and_config_mount() -> None:
+    deployment = _find("Deployment", "kvroute")
+    pod = deployment["spec"]["template"]["spec"]
+    kvroute = _container(deployment, "kvroute")
+    assert kvroute["image"] == "ghcr.io/kvroute/kvroute:0.1.0"
+    command = kvroute["command"]
+    assert command[:2] == ["kvroute", "serve"]
+    assert _flag(command, "--host") == "0.0.0.0"
+    port = int(_flag(command, "--port"))
+    assert _container_ports(kvroute) == {"http": port}
+
+    assert kvroute["readinessProbe"]["httpGet"]["path"] == "/ready"
+    liveness = kvroute["livenessProbe"]
+    assert liveness["httpGet"]["path"] == "/health"
+    for probe in (kvroute["readinessProbe"], liveness):
+        assert probe["httpGet"]["port"] in ("http", port)
+    # /health is 503 while the fleet (not the router) is broken: minutes before a restart.
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] >= 300
+
+    config_path = Path(_flag(command, "--config"))
+    mount = next(m for m in kvroute["volumeMounts"] if m["mountPath"] == str(config_path.parent))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["configMap"]["name"] == "kvroute-config"
+    assert config_path.name in _find("ConfigMap", "kvroute-config")["data"]
+
+
+def test_kvroute_runs_unprivileged_with_resources() -> None:
+    deployment = _find("Deployment", "kvroute")
+    pod = deployment["spec"]["template"]["spec"]
+    kvroute = _container(deployment, "kvroute")
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] != 0
+    assert kvroute["securityContext"]["allowPrivilegeEscalation"] is False
+    assert kvroute["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert kvroute["resources"]["requests"]["cpu"]
+    assert kvroute["resources"]["requests"]["memory"]
+    assert kvroute["resources"]["limits"]["memory"]
+
+
+def test_kvroute_service_fronts_the_router() -> None:
+    service = _find("Service", "kvroute")
+    deployment = _find("Deployment", "kvroute")
+    (port,) = service["spec"]["ports"]
+    assert port["port"] == 80
+    container_ports = _container_ports(_container(deployment, "kvroute"))
+    assert port["targetPort"] in ("http", container_ports["http"])
+    assert container_ports["http"] == 8000
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+
+
+# ---- kustomization -------------------------------------------------------------------
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    kustomization = yaml.safe_load((K8S_DIR / KUSTOMIZATION).read_text())
+    assert kustomization["kind"] == "Kustomization"
+    assert sorted(kustomization["resources"]) == [p.name for p in _manifest_files()]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+def test_kustomize_renders_the_same_objects() -> None:
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(K8S_DIR)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    rendered = [d for d in yaml.safe_load_all(out) if d is not None]
+    namespace = yaml.safe_load((K8S_DIR / KUSTOMIZATION).read_text())["namespace"]
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in rendered) == sorted(
+        (d["kind"], d["metadata"]["name"]) for _, d in ALL_DOCS
+    )
+    assert all(d["metadata"]["namespace"] == namespace for d in rendered)
