@@ -4,13 +4,16 @@ Approximate mode (a worker that publishes no events): every routing decision is 
 "this worker now holds this prefix" for a TTL (default 120 s). In events mode the same
 structure holds predictions for a few seconds (default 5 s), so a burst of siblings sees the
 prefix before the worker's first BlockStored arrives.
+
+Expiry runs in time order. With one TTL per index and a monotonic clock, records expire in the
+order they were made, so a FIFO of records is already sorted by expiry; a block refreshed by a
+later record keeps living until that record's time (its newest expiry is kept per block).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
-
-from sortedcontainers import SortedList
 
 from indexer.clock import Clock
 from indexer.hashing import EngineBlockHash, RouterBlockHash
@@ -30,7 +33,7 @@ class TtlIndex:
         self.ttl_s = ttl_s
         self._index = PrefixIndex(max_entries=max_entries)
         self._expiry: dict[tuple[str, int], float] = {}
-        self._order: SortedList = SortedList()  # (expiry, worker, router hash)
+        self._records: deque[tuple[float, str, Sequence[RouterBlockHash]]] = deque()
 
     def record(self, worker: str, router_hashes: Sequence[RouterBlockHash]) -> None:
         """Remember that `worker` holds this chain until now + ttl (refreshing older ones)."""
@@ -40,26 +43,29 @@ class TtlIndex:
         if worker not in self._index.workers():
             self._index.add_worker(worker)
         until = self._clock.now() + self.ttl_s
+        expiry = self._expiry
         for rh in router_hashes:
-            key = (worker, rh)
-            old = self._expiry.get(key)
-            if old is not None:
-                self._order.remove((old, worker, rh))
-            self._expiry[key] = until
-            self._order.add((until, worker, rh))
-        ids = [EngineBlockHash(h) for h in router_hashes]
+            expiry[(worker, rh)] = until
+        self._records.append((until, worker, router_hashes))
+        ids: Sequence[EngineBlockHash] = router_hashes  # type: ignore[assignment]
         self._index.store_hashes(worker, ids, router_hashes, None)
 
     def expire(self) -> int:
         """Drop every entry whose time has come; returns how many."""
         now = self._clock.now()
-        order = self._order
+        records = self._records
         n = 0
-        while order and order[0][0] <= now:
-            _, worker, rh = order.pop(0)
-            del self._expiry[(worker, rh)]
-            self._index.remove_hashes(worker, [EngineBlockHash(rh)])
-            n += 1
+        while records and records[0][0] <= now:
+            until, worker, hashes = records.popleft()
+            gone = []
+            for rh in hashes:
+                key = (worker, rh)
+                if self._expiry.get(key) == until:  # not refreshed by a later record
+                    del self._expiry[key]
+                    gone.append(EngineBlockHash(rh))
+            if gone:
+                self._index.remove_hashes(worker, gone)
+                n += len(gone)
         return n
 
     def find_matches(self, router_hashes: Sequence[RouterBlockHash]) -> dict[str, Overlap]:
@@ -69,10 +75,9 @@ class TtlIndex:
     def forget_worker(self, worker: str) -> None:
         if worker not in self._index.workers():
             return
-        for (w, rh), until in list(self._expiry.items()):
-            if w == worker:
-                del self._expiry[(w, rh)]
-                self._order.remove((until, w, rh))
+        self._records = deque(r for r in self._records if r[1] != worker)
+        for key in [k for k in self._expiry if k[0] == worker]:
+            del self._expiry[key]
         self._index.remove_worker(worker)
 
     def entries_of(self, worker: str) -> int:

@@ -12,7 +12,6 @@ GET|POST /debug/route                        how a prompt would be routed (admin
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import random
@@ -50,6 +49,7 @@ from router.forward import ConnectFailed, Forwarder, Outcome, upstream_headers
 from router.metrics import RouterMetrics
 from router.openai_req import RoutingInput, parse
 from router.tokenize import LocalTokenizer, TokenCache
+from router.upstream import UpstreamPool
 from router.workers import WorkerPool
 
 log = logging.getLogger("kvroute.proxy")
@@ -95,7 +95,8 @@ class RouterApp:
         self.pool = WorkerPool(config, self.core, self.client, self.clock, tokenizer)
         self.metrics = RouterMetrics()
         self.metrics.attach(self.pool)
-        self.forwarder = Forwarder(self.client, config.worker_header.lower().encode())
+        self.upstream = UpstreamPool(config.connect_timeout_s, config.request_timeout_s)
+        self.forwarder = Forwarder(self.upstream, config.worker_header.lower().encode())
         self.started = False
 
     # ---- ASGI ------------------------------------------------------------------------
@@ -150,6 +151,7 @@ class RouterApp:
         if getattr(self, "_file_task", None) is not None:
             self._file_task.cancel()  # type: ignore[union-attr]
         await self.pool.stop()
+        self.upstream.close()
         await self.client.aclose()
 
     # ---- the request path ------------------------------------------------------------
@@ -163,18 +165,17 @@ class RouterApp:
         self.metrics.decision_seconds.observe(time.perf_counter() - t0)
         request_id = header(scope, b"x-request-id") or uuid.uuid4().hex.encode()
         headers = upstream_headers(scope["headers"], request_id, self.forwarder.worker_header)
-        work = asyncio.ensure_future(
-            self._attempts(decision, rin, scope["path"], headers, body, send, request_id)
-        )
-        watch = asyncio.ensure_future(_disconnected(receive))
-        done, _ = await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
-        if work in done:
+        me = asyncio.current_task()
+        assert me is not None
+        watch = asyncio.ensure_future(_cancel_on_disconnect(receive, me))
+        try:
+            await self._attempts(decision, rin, scope["path"], headers, body, send, request_id)
+        except asyncio.CancelledError:
+            if not watch.done():
+                raise
+            me.uncancel()  # the client went away: closing upstream already aborted the request
+        finally:
             watch.cancel()
-            work.result()
-            return
-        work.cancel()  # closing the upstream stream makes the engine abort the request
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await work
 
     async def _attempts(
         self,
@@ -198,7 +199,9 @@ class RouterApp:
             try:
                 outcome = await self.forwarder.forward(
                     worker=choice.worker,
-                    url=handle.config.url.rstrip("/") + path,
+                    host=handle.host,
+                    port=handle.port,
+                    path=path.encode(),
                     headers=headers,
                     body=body,
                     send=send,
@@ -219,7 +222,7 @@ class RouterApp:
             finally:
                 self.core.load.finish(ticket)
                 self.metrics.inflight.labels(choice.worker).dec()
-                self.metrics.requests.labels(choice.worker, outcome_label).inc()
+                self.metrics.count(choice.worker, outcome_label)
         raise UpstreamError("could not connect to any worker: " + "; ".join(failures))
 
     def _observe(self, decision: Decision, worker: str, outcome: Outcome) -> None:
@@ -291,9 +294,7 @@ class RouterApp:
             if resp.status_code == 400:
                 raise BadRequest(f"the worker could not tokenize the request: {resp.text[:300]}")
             if resp.status_code == 200:
-                ids = list(resp.json().get("tokens", []))
-                self._remote_cache.put(key, ids)
-                return ids
+                return self._remote_cache.put(key, list(resp.json().get("tokens", [])))
         raise NoWorkerAvailable("no worker answered /tokenize (--tokenizer remote)")
 
     # ---- control endpoints -----------------------------------------------------------
@@ -456,8 +457,11 @@ class RouterApp:
         }
 
 
-async def _disconnected(receive: Receive) -> None:
+async def _cancel_on_disconnect(receive: Receive, task: asyncio.Task[Any]) -> None:
+    """Cancel the request's task when its client disconnects; closing the upstream connection
+    on the way out makes the engine abort the request."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
+            task.cancel()
             return

@@ -7,11 +7,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import httpx
 import msgspec
 
 from router.asgi import Send
 from router.core.errors import UpstreamError, UpstreamTimeout
+from router.upstream import Response, UpstreamClosed, UpstreamConnectError, UpstreamPool
 
 HOP_BY_HOP = frozenset(
     {
@@ -72,71 +72,73 @@ def upstream_headers(
 
 
 class Forwarder:
-    def __init__(self, client: httpx.AsyncClient, worker_header: bytes) -> None:
-        self.client = client
+    def __init__(self, pool: UpstreamPool, worker_header: bytes) -> None:
+        self.pool = pool
         self.worker_header = worker_header
 
     async def forward(
         self,
         *,
         worker: str,
-        url: str,
+        host: str,
+        port: int,
+        path: bytes,
         headers: list[tuple[bytes, bytes]],
         body: bytes,
         send: Send,
         request_id: bytes,
         on_first_byte: Callable[[], None],
     ) -> Outcome:
-        request = self.client.build_request("POST", url, headers=headers, content=body)
         try:
-            response = await self.client.send(request, stream=True)
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-            raise ConnectFailed(worker, f"{type(exc).__name__}: {exc}") from None
-        except httpx.TimeoutException:
+            response = await self.pool.request(host, port, b"POST", path, headers, body)
+        except UpstreamConnectError as exc:
+            raise ConnectFailed(worker, str(exc)) from None
+        except UpstreamClosed as exc:
+            if exc.before_response:
+                raise ConnectFailed(worker, str(exc)) from None
+            raise UpstreamError(f"worker {worker}: {exc}") from None
+        except TimeoutError:
             raise UpstreamTimeout(f"worker {worker} did not answer in time") from None
-        except httpx.HTTPError as exc:
-            raise UpstreamError(f"worker {worker} failed: {type(exc).__name__}: {exc}") from None
         try:
-            return await self._relay(worker, response, send, request_id, on_first_byte)
-        finally:
-            await response.aclose()
+            outcome = await self._relay(worker, response, send, request_id, on_first_byte)
+        except BaseException:
+            response.close()
+            raise
+        return outcome
 
     async def _relay(
         self,
         worker: str,
-        response: httpx.Response,
+        response: Response,
         send: Send,
         request_id: bytes,
         on_first_byte: Callable[[], None],
     ) -> Outcome:
         headers = [
-            (k, v)
-            for k, v in response.headers.raw
-            if k.lower() not in HOP_BY_HOP and k.lower() != b"x-request-id"
+            (k, v) for k, v in response.headers if k not in HOP_BY_HOP and k != b"x-request-id"
         ]
         headers += [(self.worker_header, worker.encode()), (b"x-request-id", request_id)]
-        ctype = response.headers.get("content-type", "")
-        outcome = Outcome(response.status_code)
-        if ctype.startswith("application/json"):
+        ctype = next((v for k, v in response.headers if k == b"content-type"), b"")
+        outcome = Outcome(response.status)
+        if ctype.startswith(b"application/json"):
             return await self._relay_buffered(
                 worker, response, send, headers, outcome, on_first_byte
             )
-        await send(
-            {"type": "http.response.start", "status": response.status_code, "headers": headers}
-        )
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
         sniffer = _UsageSniffer()
         first = True
         try:
-            async for chunk in response.aiter_raw():
+            async for chunk in response.chunks():
                 if first:
                     on_first_byte()
                     first = False
                 sniffer.feed(chunk)
                 outcome.bytes_out += len(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except httpx.HTTPError:
+        except (UpstreamClosed, TimeoutError):
             # the response already started: all we can do is end it
             outcome.status = 502
+            response.close()
         await send({"type": "http.response.body", "body": b""})
         outcome.cached_tokens = sniffer.cached_tokens
         return outcome
@@ -144,25 +146,24 @@ class Forwarder:
     async def _relay_buffered(
         self,
         worker: str,
-        response: httpx.Response,
+        response: Response,
         send: Send,
         headers: list[tuple[bytes, bytes]],
         outcome: Outcome,
         on_first_byte: Callable[[], None],
     ) -> Outcome:
         try:
-            body = await response.aread()
-        except httpx.TimeoutException:
+            body = await response.read()
+        except TimeoutError:
+            response.close()
             raise UpstreamTimeout(f"worker {worker} timed out sending its response") from None
-        except httpx.HTTPError as exc:
+        except UpstreamClosed as exc:
             raise UpstreamError(f"worker {worker} broke off its response: {exc}") from None
         on_first_byte()
         outcome.cached_tokens = cached_tokens_of(body)
         outcome.bytes_out = len(body)
-        headers.append((b"content-length", str(len(body)).encode()))
-        await send(
-            {"type": "http.response.start", "status": response.status_code, "headers": headers}
-        )
+        headers.append((b"content-length", b"%d" % len(body)))
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
         return outcome
 

@@ -64,12 +64,21 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
+        self._request_children: dict[tuple[str, str], Counter] = {}
         self.inflight = Gauge(
             "kvroute_inflight_requests",
             "Requests this router has in flight",
             ["worker"],
             registry=r,
         )
+
+    def count(self, worker: str, outcome: str) -> None:
+        """requests_total, with the labelled child cached (labels() costs a few us)."""
+        key = (worker, outcome)
+        child = self._request_children.get(key)
+        if child is None:
+            child = self._request_children[key] = self.requests.labels(worker, outcome)
+        child.inc()
 
     def attach(self, pool: WorkerPool) -> None:
         self.registry.register(_PoolCollector(lambda: pool))

@@ -29,16 +29,27 @@ PACKAGED_TOKENIZER = (
 )
 
 
+class Tokens(list[int]):
+    """Token ids that remember their block hashes per (block size, namespace), so a prompt
+    seen again (same system prompt, same document) is neither re-tokenized nor re-hashed."""
+
+    __slots__ = ("hash_memo",)
+
+    def __init__(self, ids: list[int]) -> None:
+        super().__init__(ids)
+        self.hash_memo: dict[object, object] = {}
+
+
 class TokenCache:
     """A small LRU keyed by request content."""
 
     def __init__(self, max_items: int = 4096) -> None:
-        self._items: OrderedDict[Any, list[int]] = OrderedDict()
+        self._items: OrderedDict[Any, Tokens] = OrderedDict()
         self.max_items = max_items
         self.hits = 0
         self.misses = 0
 
-    def get(self, key: Any) -> list[int] | None:
+    def get(self, key: Any) -> Tokens | None:
         ids = self._items.get(key)
         if ids is None:
             self.misses += 1
@@ -47,10 +58,12 @@ class TokenCache:
         self.hits += 1
         return ids
 
-    def put(self, key: Any, ids: list[int]) -> None:
-        self._items[key] = ids
+    def put(self, key: Any, ids: list[int]) -> Tokens:
+        tokens = ids if isinstance(ids, Tokens) else Tokens(ids)
+        self._items[key] = tokens
         if len(self._items) > self.max_items:
             self._items.popitem(last=False)
+        return tokens
 
 
 def _raise(message: str) -> None:
@@ -118,8 +131,7 @@ class LocalTokenizer:
         key = ("c", prompt)
         ids = self.cache.get(key)
         if ids is None:
-            ids = self._encode(prompt, add_special_tokens=True).ids
-            self.cache.put(key, ids)
+            ids = self.cache.put(key, self._encode(prompt, add_special_tokens=True).ids)
         return ids
 
     def render_chat(

@@ -10,6 +10,7 @@ import logging
 import socket
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import zmq.asyncio
@@ -51,6 +52,15 @@ class WorkerHandle:
     @property
     def name(self) -> str:
         return self.state.name
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.config.url).hostname or "127.0.0.1"
+
+    @property
+    def port(self) -> int:
+        parts = urlsplit(self.config.url)
+        return parts.port or (443 if parts.scheme == "https" else 80)
 
 
 class WorkerPool:

@@ -137,7 +137,7 @@ class RoutingCore:
         pool = [w for w in self.workers.values() if w.available and w.name not in skip]
         if not pool:
             raise NoWorkerAvailable(self._why_none(skip))
-        hashes = {bs: hash_request(tokens, bs, ns) for bs in {w.block_size for w in pool}}
+        hashes = {bs: _hashes(tokens, bs, ns) for bs in {w.block_size for w in pool}}
         cands = [self._candidate(w, hashes[w.block_size]) for w in pool]
         request = ScoreRequest(prompt_tokens=len(tokens))
         raw, timings = self._run_scorers(request, cands)
@@ -272,6 +272,18 @@ class RoutingCore:
         weights = [math.exp((s.total - top) / temp) for s in eligible]
         first = self._rng.choices(eligible, weights=weights)[0]
         return [first, *[s for s in ranked if s is not first]]
+
+
+def _hashes(tokens: Sequence[int], bs: int, ns: Namespace) -> list[RouterBlockHash]:
+    """Block hashes, memoized on token lists that offer a `hash_memo` (cached prompts)."""
+    memo: dict[object, list[RouterBlockHash]] | None = getattr(tokens, "hash_memo", None)
+    if memo is None:
+        return hash_request(tokens, bs, ns)
+    key = (bs, ns)
+    found = memo.get(key)
+    if found is None:
+        found = memo[key] = hash_request(tokens, bs, ns)
+    return found
 
 
 def _better(a: Overlap | None, b: Overlap | None) -> Overlap | None:

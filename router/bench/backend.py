@@ -1,0 +1,184 @@
+"""A fast fake OpenAI backend for proxy benchmarks: raw asyncio + httptools on uvloop, fixed
+answers, so that what a benchmark measures is the proxy in front of it.
+
+    python -m router.bench.backend --port 9001 [--port 9002 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from typing import Any
+
+import httptools
+
+MODEL = "kvroute-sim"
+COMPLETION = json.dumps(
+    {
+        "id": "cmpl-bench",
+        "object": "text_completion",
+        "created": 0,
+        "model": MODEL,
+        "choices": [{"index": 0, "text": " ok", "finish_reason": "length", "logprobs": None}],
+        "usage": {
+            "prompt_tokens": 2000,
+            "completion_tokens": 1,
+            "total_tokens": 2001,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        },
+    }
+).encode()
+CHAT = json.dumps(
+    {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion",
+        "created": 0,
+        "model": MODEL,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "ok"},
+                "finish_reason": "length",
+            }
+        ],
+        "usage": {"prompt_tokens": 2000, "completion_tokens": 1, "total_tokens": 2001},
+    }
+).encode()
+SSE = (
+    b'data: {"id":"cmpl-bench","object":"text_completion","created":0,"model":"'
+    + MODEL.encode()
+    + b'","choices":[{"index":0,"text":" ok","finish_reason":null}]}\n\n'
+    b"data: [DONE]\n\n"
+)
+MODELS = json.dumps(
+    {
+        "object": "list",
+        "data": [
+            {
+                "id": MODEL,
+                "object": "model",
+                "owned_by": "vllm",
+                "root": MODEL,
+                "parent": None,
+                "max_model_len": 32768,
+            }
+        ],
+    }
+).encode()
+METRICS = (
+    b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n"
+    b"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0.0\n"
+    b"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.0\n"
+    b'# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size="16",'
+    b'enable_prefix_caching="True",num_gpu_blocks="100000",prefix_caching_hash_algo="sha256"} 1.0\n'
+)
+INFO = json.dumps(
+    {
+        "model_path": MODEL,
+        "tokenizer_path": MODEL,
+        "is_generation": True,
+        "max_model_len": 32768,
+        "served_model_name": MODEL,
+    }
+).encode()
+
+
+def _response(status: int, body: bytes, ctype: bytes = b"application/json") -> bytes:
+    reason = b"OK" if status == 200 else b"Not Found"
+    return (
+        b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n"
+        % (status, reason, ctype, len(body))
+    ) + body
+
+
+def _sse() -> bytes:
+    chunk = b"%x\r\n%s\r\n0\r\n\r\n" % (len(SSE), SSE)
+    return (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        + chunk
+    )
+
+
+class _Handler(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.url = b""
+        self.body: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            assert self.transport is not None
+            self.transport.close()
+
+    def on_url(self, url: bytes) -> None:
+        self.url = url
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        assert self.transport is not None
+        body = b"".join(self.body)
+        self.body = []
+        self.transport.write(self._answer(self.url.split(b"?")[0], body))
+
+    def _answer(self, path: bytes, body: bytes) -> bytes:
+        if path == b"/v1/completions":
+            return (
+                _sse()
+                if b'"stream": true' in body or b'"stream":true' in body
+                else _response(200, COMPLETION)
+            )
+        if path == b"/v1/chat/completions":
+            return _response(200, CHAT)
+        if path in (b"/v1/completions/render", b"/v1/chat/completions/render"):
+            return _response(200, _render(body))
+        if path == b"/health":
+            return _response(200, b"")
+        if path == b"/v1/models":
+            return _response(200, MODELS)
+        if path == b"/metrics":
+            return _response(200, METRICS, b"text/plain")
+        if path == b"/kv_event_sources":
+            return _response(200, b"{}")
+        if path in (b"/get_model_info", b"/model_info", b"/server_info", b"/get_server_info"):
+            return _response(200, INFO)
+        return _response(404, b'{"error": "not found"}')
+
+
+def _render(body: bytes) -> bytes:
+    """vLLM's render API: the token ids a request would be run with (rough: 1 per 4 bytes)."""
+    try:
+        doc: Any = json.loads(body)
+        text = str(doc.get("prompt", doc.get("messages", "")))
+    except ValueError:
+        text = ""
+    ids = list(range(max(1, len(text) // 4)))
+    return json.dumps({"token_ids": ids, "prompt_token_ids": ids}).encode()
+
+
+async def serve(ports: list[int]) -> None:
+    loop = asyncio.get_running_loop()
+    servers = [await loop.create_server(_Handler, "127.0.0.1", p, backlog=1024) for p in ports]
+    print(json.dumps({"ports": ports}), flush=True)
+    await asyncio.gather(*(s.serve_forever() for s in servers))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--port", type=int, action="append", required=True)
+    args = p.parse_args()
+    import uvloop
+
+    uvloop.run(serve(args.port))
+
+
+if __name__ == "__main__":
+    main()
