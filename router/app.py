@@ -201,6 +201,7 @@ class RouterApp:
                     worker=choice.worker,
                     host=handle.host,
                     port=handle.port,
+                    tls=handle.config.url.startswith("https:"),
                     path=path.encode(),
                     headers=headers,
                     body=body,

@@ -88,9 +88,10 @@ class Forwarder:
         send: Send,
         request_id: bytes,
         on_first_byte: Callable[[], None],
+        tls: bool = False,
     ) -> Outcome:
         try:
-            response = await self.pool.request(host, port, b"POST", path, headers, body)
+            response = await self.pool.request(host, port, b"POST", path, headers, body, tls)
         except UpstreamConnectError as exc:
             raise ConnectFailed(worker, str(exc)) from None
         except UpstreamClosed as exc:

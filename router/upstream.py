@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -125,7 +126,7 @@ class Response:
     headers: list[tuple[bytes, bytes]]
     _conn: _Conn
     _pool: UpstreamPool
-    _key: tuple[str, int]
+    _key: tuple[str, int, bool]
     _timeout: float
     _done: bool = field(default=False)
 
@@ -172,19 +173,29 @@ class UpstreamPool:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.max_idle = max_idle
-        self._idle: dict[tuple[str, int], list[_Conn]] = {}
+        self._idle: dict[tuple[str, int, bool], list[_Conn]] = {}
+        self._tls: ssl.SSLContext | None = None
 
-    async def _connect(self, host: str, port: int) -> _Conn:
+    async def _connect(self, host: str, port: int, tls: bool) -> _Conn:
         loop = asyncio.get_running_loop()
+        if tls and self._tls is None:
+            self._tls = ssl.create_default_context()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(_Conn, host, port), self.connect_timeout
+                loop.create_connection(
+                    _Conn,
+                    host,
+                    port,
+                    ssl=self._tls if tls else None,
+                    server_hostname=host if tls else None,
+                ),
+                self.connect_timeout,
             )
         except (OSError, TimeoutError) as exc:
             raise UpstreamConnectError(f"connect to {host}:{port}: {exc or 'timed out'}") from None
         return conn
 
-    def _acquire_idle(self, key: tuple[str, int]) -> _Conn | None:
+    def _acquire_idle(self, key: tuple[str, int, bool]) -> _Conn | None:
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
@@ -193,7 +204,7 @@ class UpstreamPool:
                 return conn
         return None
 
-    def _release(self, key: tuple[str, int], conn: _Conn) -> None:
+    def _release(self, key: tuple[str, int, bool], conn: _Conn) -> None:
         if not conn.keep_alive or not conn.usable():
             if conn.transport is not None:
                 conn.transport.close()
@@ -213,10 +224,11 @@ class UpstreamPool:
         target: bytes,
         headers: list[tuple[bytes, bytes]],
         body: bytes,
+        tls: bool = False,
     ) -> Response:
         """Send a request and wait for the response head. A reused connection the worker had
         already closed is retried once on a fresh one (nothing was processed)."""
-        key = (host, port)
+        key = (host, port, tls)
         head = b"%s %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-length: %d\r\n" % (
             method,
             target,
@@ -229,7 +241,7 @@ class UpstreamPool:
         reused = conn is not None
         for _ in range(2):
             if conn is None:
-                conn = await self._connect(host, port)
+                conn = await self._connect(host, port, tls)
             assert conn.transport is not None
             conn.transport.write(data)
             try:
