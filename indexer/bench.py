@@ -47,7 +47,7 @@ def build_workload(seed: int = 7) -> Workload:
     held: list[dict[tuple[int, int], int]] = [{} for _ in range(WORKERS)]  # (prefix, blocks) -> eh
     events: list[tuple[int, BlockStored, list[int]]] = []
     long_requests: list[list[int]] = []
-    next_eh = 1
+    next_eh = PREFIXES * 10_000 + 1
     stored = 0
     while stored < TARGET_BLOCKS:
         w = rng.randrange(WORKERS)
@@ -59,10 +59,14 @@ def build_workload(seed: int = 7) -> Workload:
         parent = held[w].get((p, have)) if have else None
         new_tokens = tokens[have * BLOCK :]
         n_new = len(new_tokens) // BLOCK
-        ehs = list(range(next_eh, next_eh + n_new))
-        next_eh += n_new
+        # engines hash identical content identically (vLLM with a fixed PYTHONHASHSEED):
+        # prefix blocks get ids from (prefix, position), private tails fresh ones
+        ehs = [p * 10_000 + b for b in range(have + 1, cut + 1)]
+        tail_n = n_new - len(ehs)
+        ehs += list(range(next_eh, next_eh + tail_n))
+        next_eh += tail_n
         for b in range(have + 1, cut + 1):
-            held[w][(p, b)] = ehs[b - have - 1]
+            held[w][(p, b)] = p * 10_000 + b
         event = BlockStored(
             engine_hashes=[EngineBlockHash(h) for h in ehs],
             parent=None if parent is None else EngineBlockHash(parent),
@@ -184,7 +188,10 @@ def _find_matches_pre_hashed(wl: Workload, lookup: Callable[[list[int]], object]
 
 def bench_dynamo(wl: Workload) -> dict[str, Any] | None:
     try:
-        from dynamo._core import RadixTree, compute_block_hash_for_seq  # type: ignore[import-not-found]
+        from dynamo._core import (  # type: ignore[import-not-found,unused-ignore]
+            RadixTree,
+            compute_block_hash_for_seq,
+        )
     except ImportError:
         return None
 

@@ -23,6 +23,9 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import reduce
+from itertools import repeat
+from operator import or_
 from typing import NamedTuple
 
 import xxhash
@@ -221,6 +224,8 @@ class PrefixIndex:
         """Record a chain of already-hashed blocks (the index-only half of a BlockStored)."""
         w = self._worker(name)
         res = res if res is not None else ApplyResult()
+        if self._store_fresh_chain(w, engine_hashes, router_hashes, parent, tier, res):
+            return
         eng, kids, bit = w.eng, w.kids, w.bit
         masks = self._masks if tier == DEFAULT_TIER else self._other.setdefault(tier, {})
         parents = self._parent
@@ -260,6 +265,50 @@ class PrefixIndex:
             check_parent = False
         w.entries += new
         self._entries += new
+
+    def _store_fresh_chain(
+        self,
+        w: _Worker,
+        engine_hashes: Sequence[EngineBlockHash],
+        router_hashes: Sequence[RouterBlockHash],
+        parent: int | None,
+        tier: str,
+        res: ApplyResult,
+    ) -> bool:
+        """The common case, done with C-level dict updates: a chain none of whose blocks the
+        worker holds yet, one tier, no holes, room under the bound. False: take the general
+        path."""
+        n = len(router_hashes)
+        if (
+            not n
+            or tier != DEFAULT_TIER
+            or self._other
+            or w.holes
+            or self._entries + n > self.max_entries
+            or len(engine_hashes) != n
+        ):
+            return False
+        masks, bit = self._masks, w.bit
+        get = masks.get
+        olds = [get(rh, 0) for rh in router_hashes]
+        if reduce(or_, olds) & bit:
+            return False
+        masks.update(zip(router_hashes, [m | bit for m in olds], strict=True))
+        chain = list(router_hashes)
+        self._parent.update(zip(chain, [parent, *chain[:-1]], strict=True))
+        kids = w.kids
+        # blocks the worker did not hold had no held kids
+        kids.update(zip(chain[:-1], repeat(1, n - 1), strict=True))
+        if parent is not None:
+            kids[parent] = kids.get(parent, 0) + 1
+            if not self._held_any(parent, bit):
+                w.holes += 1
+                self._holes_total += 1
+        w.eng.update(zip(engine_hashes, chain, strict=True))
+        w.entries += n
+        self._entries += n
+        res.stored += n
+        return True
 
     def remove_hashes(
         self,
