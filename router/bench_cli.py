@@ -16,10 +16,27 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     ix.add_argument("--json", type=Path, help="write the results here as JSON")
     ix.set_defaults(func=_index)
+    px = bsub.add_parser(
+        "proxy",
+        help="added latency and req/s over a fast fake backend, side by side with "
+        "sglang-router and vllm-router when installed (needs wrk)",
+    )
+    px.add_argument("--json", type=Path, help="write the results here as JSON")
+    px.add_argument("--seconds", type=int, default=5, help="per wrk run (default 5)")
+    px.add_argument("--repeat", type=int, default=3, help="runs per point; medians (default 3)")
+    px.add_argument("--only", nargs="+", help="targets to run: kvroute sglang-router vllm-router")
+    px.set_defaults(func=_proxy)
 
 
 def _index(args: argparse.Namespace) -> int:
     from indexer.bench import run
 
     run(args.json)
+    return 0
+
+
+def _proxy(args: argparse.Namespace) -> int:
+    from router.bench.proxy import run
+
+    run(args.json, seconds=args.seconds, repeat=args.repeat, only=args.only)
     return 0
