@@ -139,7 +139,7 @@ class _Handler(asyncio.Protocol):
         if path == b"/v1/chat/completions":
             return _response(200, CHAT)
         if path in (b"/v1/completions/render", b"/v1/chat/completions/render"):
-            return _response(200, _render(body))
+            return _response(200, _render(path, body))
         if path == b"/health":
             return _response(200, b"")
         if path == b"/v1/models":
@@ -148,20 +148,26 @@ class _Handler(asyncio.Protocol):
             return _response(200, METRICS, b"text/plain")
         if path == b"/kv_event_sources":
             return _response(200, b"{}")
-        if path in (b"/get_model_info", b"/model_info", b"/server_info", b"/get_server_info"):
-            return _response(200, INFO)
         return _response(404, b'{"error": "not found"}')
 
 
-def _render(body: bytes) -> bytes:
-    """vLLM's render API: the token ids a request would be run with (rough: 1 per 4 bytes)."""
+def _render(path: bytes, body: bytes) -> bytes:
+    """vLLM's render API (what vllm-router calls per request): the request as the engine
+    would run it, token ids included (rough ids: one per 4 bytes of prompt)."""
     try:
         doc: Any = json.loads(body)
         text = str(doc.get("prompt", doc.get("messages", "")))
     except ValueError:
         text = ""
-    ids = list(range(max(1, len(text) // 4)))
-    return json.dumps({"token_ids": ids, "prompt_token_ids": ids}).encode()
+    rendered = {
+        "request_id": "bench",
+        "token_ids": list(range(max(1, len(text) // 4))),
+        "sampling_params": {"max_tokens": 1},
+        "model": MODEL,
+        "stream": False,
+    }
+    # completions render a list (one per prompt), chat a single request
+    return json.dumps(rendered if path.startswith(b"/v1/chat") else [rendered]).encode()
 
 
 async def serve(ports: list[int]) -> None:

@@ -135,7 +135,7 @@ def _child(cmd: list[str], url: str, ready_path: str, timeout: float = 60) -> It
             if proc.poll() is not None:
                 raise RuntimeError(f"{cmd[0]} exited: {log_path.read_text()[-1500:]}")
             try:
-                if httpx.get(url + ready_path, timeout=1).status_code < 500:
+                if httpx.get(url + ready_path, timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass

@@ -1,0 +1,13 @@
+"""A simulated vLLM 0.32 worker that a router cannot tell apart from vLLM on the wire.
+
+blockpool   vLLM v1's block pool and engine hashes (pure; the ground truth)
+kvcache     per-request block bookkeeping (pure)
+scheduler   vLLM's step scheduling: queueing, preemption, chunked prefill (pure)
+latency     step cost model calibrated to the seeds' measurements (pure)
+model       deterministic output tokens (pure)
+engine      asyncio step loop with an injectable clock and sleeper
+events_pub  ZMQ PUB + replay ROUTER, byte-compatible with vLLM's publisher
+tokenizer   the Hugging Face tokenizer folder, used as vLLM uses it
+protocol, openai, asgi, http, routes_info, metrics   vLLM's HTTP surface
+worker      one worker on uvicorn; fleet: N of them; cli: `kvroute sim`
+"""
