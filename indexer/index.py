@@ -88,6 +88,9 @@ class _Worker:
     eng: dict[EngineBlockHash, RouterBlockHash] = field(default_factory=dict)
     kids: dict[int, int] = field(default_factory=dict)
     holes: int = 0
+    # vLLM can cache a second copy of a block (same hash) and then publishes BlockStored
+    # again and one BlockRemoved per copy: (engine hash, tier) -> copies beyond the first.
+    copies: dict[tuple[EngineBlockHash, str], int] = field(default_factory=dict)
     entries: int = 0
 
 
@@ -143,6 +146,7 @@ class PrefixIndex:
         self._holes_total -= w.holes
         self._entries -= w.entries
         w.eng.clear()
+        w.copies.clear()
         w.kids.clear()
         w.holes = 0
         w.entries = 0
@@ -220,8 +224,12 @@ class PrefixIndex:
         parent: int | None,
         tier: str = DEFAULT_TIER,
         res: ApplyResult | None = None,
+        *,
+        count_copies: bool = True,
     ) -> None:
-        """Record a chain of already-hashed blocks (the index-only half of a BlockStored)."""
+        """Record a chain of already-hashed blocks (the index-only half of a BlockStored).
+        A block stored again counts as another cached copy unless `count_copies` is off
+        (callers that only refresh, like the TTL index)."""
         w = self._worker(name)
         res = res if res is not None else ApplyResult()
         if self._store_fresh_chain(w, engine_hashes, router_hashes, parent, tier, res):
@@ -260,6 +268,9 @@ class PrefixIndex:
                 else:
                     new -= 1  # already held in another tier: no new entry
                 res.stored += 1
+            elif count_copies and eng.get(eh) == rh:
+                key = (eh, tier)
+                w.copies[key] = w.copies.get(key, 0) + 1
             eng[eh] = rh
             parent = rh
             check_parent = False
@@ -337,6 +348,9 @@ class PrefixIndex:
                 if not self._held_any(rh, bit):
                     del eng[eh]  # an alias of a block already gone
                 continue
+            if w.copies and self._drop_copy(w, eh, tier):
+                res.removed += 1
+                continue  # another copy of the block is still cached
             m &= ~bit
             if m:
                 masks[rh] = m
@@ -348,6 +362,18 @@ class PrefixIndex:
             del eng[eh]
             self._unhold(w, rh)
         self._prune_tiers()
+
+    @staticmethod
+    def _drop_copy(w: _Worker, eh: EngineBlockHash, tier: str) -> bool:
+        key = (eh, tier)
+        n = w.copies.get(key, 0)
+        if not n:
+            return False
+        if n > 1:
+            w.copies[key] = n - 1
+        else:
+            del w.copies[key]
+        return True
 
     def _unhold(self, w: _Worker, rh: int) -> None:
         w.entries -= 1
@@ -374,6 +400,8 @@ class PrefixIndex:
         victim = w if w.entries else max(self._workers.values(), key=lambda x: x.entries)
         eh, rh = next(iter(victim.eng.items()))
         del victim.eng[eh]
+        for tier in (DEFAULT_TIER, *self._other):
+            victim.copies.pop((eh, tier), None)
         self._drop_bits_keep_parent(victim, rh)
         self._unhold(victim, rh)
         res.evicted_at_bound += 1

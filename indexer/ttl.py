@@ -48,7 +48,7 @@ class TtlIndex:
             expiry[(worker, rh)] = until
         self._records.append((until, worker, router_hashes))
         ids: Sequence[EngineBlockHash] = router_hashes  # type: ignore[assignment]
-        self._index.store_hashes(worker, ids, router_hashes, None)
+        self._index.store_hashes(worker, ids, router_hashes, None, count_copies=False)
 
     def expire(self) -> int:
         """Drop every entry whose time has come; returns how many."""

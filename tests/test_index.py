@@ -114,3 +114,14 @@ def test_namespaced_chains_match_only_their_namespace(index: PrefixIndex) -> Non
     assert index.find_matches(q(A)) == {}
     lora = hash_request(A, BS, Namespace(lora_name="ad"))
     assert index.find_matches(lora) == {"a": Overlap(2, {"GPU": 2})}
+
+
+def test_a_second_cached_copy_survives_one_removal(index: PrefixIndex) -> None:
+    """vLLM caches a duplicate block (same hash) as another copy and removes copies one by one."""
+    index.apply("a", stored(eh(1, 2), A[:8]))
+    index.apply("a", stored(eh(2), A[4:8], parent=1))  # a second copy of block 2
+    index.apply("a", EventBatch(0.0, [BlockRemoved(eh(2))]))
+    assert index.find_matches(q(A)) == {"a": Overlap(2, {"GPU": 2})}
+    index.apply("a", EventBatch(0.0, [BlockRemoved(eh(2))]))
+    assert index.find_matches(q(A)) == {"a": Overlap(1, {"GPU": 1})}
+    index.verify()

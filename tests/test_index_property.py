@@ -30,10 +30,10 @@ def engine_hash(key: Key) -> int:
 
 
 class Reference:
-    """Per worker: prefix key -> tiers holding it; engine hash -> key."""
+    """Per worker: prefix key -> tier -> copies cached; engine hash -> key."""
 
     def __init__(self) -> None:
-        self.held: dict[str, dict[Key, set[str]]] = {w: {} for w in WORKERS}
+        self.held: dict[str, dict[Key, dict[str, int]]] = {w: {} for w in WORKERS}
         self.eng: dict[str, dict[int, Key]] = {w: {} for w in WORKERS}
 
     def store(
@@ -45,15 +45,19 @@ class Reference:
             base = self.eng[w][parent]
         for block in blocks:
             base = (*base, block)
-            self.held[w].setdefault(base, set()).add(tier)
+            tiers = self.held[w].setdefault(base, {})
+            tiers[tier] = tiers.get(tier, 0) + 1
             self.eng[w][engine_hash(base)] = base
 
     def remove(self, w: str, eh: int, tier: str) -> None:
         key = self.eng[w].get(eh)
-        if key is None or tier not in self.held[w].get(key, set()):
+        if key is None or tier not in self.held[w].get(key, {}):
             return
-        self.held[w][key].discard(tier)
-        if not self.held[w][key]:
+        tiers = self.held[w][key]
+        tiers[tier] -= 1
+        if not tiers[tier]:
+            del tiers[tier]
+        if not tiers:
             del self.held[w][key]
             del self.eng[w][eh]
 
@@ -83,7 +87,7 @@ class IndexMachine(RuleBasedStateMachine):
         pool=st.lists(
             st.lists(st.tuples(*[st.integers(0, 2)] * BS), min_size=1, max_size=6),
             min_size=2,
-            max_size=6,
+            max_size=3,
         )
     )
     def setup(self, pool: list[list[tuple[int, ...]]]) -> None:
