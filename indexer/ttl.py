@@ -21,6 +21,7 @@ from indexer.index import Overlap, PrefixIndex
 
 APPROX_TTL_S = 120.0
 PREDICTION_TTL_S = 5.0
+REFRESH_SLACK = 0.01  # a chain re-recorded within 1% of the TTL keeps its expiry
 
 
 class TtlIndex:
@@ -34,15 +35,23 @@ class TtlIndex:
         self._index = PrefixIndex(max_entries=max_entries)
         self._expiry: dict[tuple[str, int], float] = {}
         self._records: deque[tuple[float, str, Sequence[RouterBlockHash]]] = deque()
+        # (worker, chain's last hash) -> when its newest record expires
+        self._chains: dict[tuple[str, int], float] = {}
 
     def record(self, worker: str, router_hashes: Sequence[RouterBlockHash]) -> None:
         """Remember that `worker` holds this chain until now + ttl (refreshing older ones)."""
         if not router_hashes:
             return
         self.expire()
+        now = self._clock.now()
+        until = now + self.ttl_s
+        chain = (worker, router_hashes[-1])
+        last = self._chains.get(chain)
+        if last is not None and until - last < self.ttl_s * REFRESH_SLACK:
+            return  # refreshed a moment ago: a burst of the same prompt costs one record
+        self._chains[chain] = until
         if worker not in self._index.workers():
             self._index.add_worker(worker)
-        until = self._clock.now() + self.ttl_s
         expiry = self._expiry
         for rh in router_hashes:
             expiry[(worker, rh)] = until
@@ -57,6 +66,9 @@ class TtlIndex:
         n = 0
         while records and records[0][0] <= now:
             until, worker, hashes = records.popleft()
+            chain = (worker, hashes[-1])
+            if self._chains.get(chain) == until:
+                del self._chains[chain]
             gone = []
             for rh in hashes:
                 key = (worker, rh)
@@ -76,6 +88,7 @@ class TtlIndex:
         if worker not in self._index.workers():
             return
         self._records = deque(r for r in self._records if r[1] != worker)
+        self._chains = {k: v for k, v in self._chains.items() if k[0] != worker}
         for key in [k for k in self._expiry if k[0] == worker]:
             del self._expiry[key]
         self._index.remove_worker(worker)

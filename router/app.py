@@ -194,7 +194,8 @@ class RouterApp:
                 continue
             extra = math.ceil(rin.max_tokens / max(choice.block_size, 1))
             ticket = self.core.commit(decision, choice.worker, extra_blocks=extra)
-            self.metrics.inflight.labels(choice.worker).inc()
+            inflight = self.metrics.child(self.metrics.inflight, choice.worker)
+            inflight.inc()
             outcome_label = "error"
             try:
                 outcome = await self.forwarder.forward(
@@ -222,7 +223,7 @@ class RouterApp:
                 raise
             finally:
                 self.core.load.finish(ticket)
-                self.metrics.inflight.labels(choice.worker).dec()
+                inflight.dec()
                 self.metrics.count(choice.worker, outcome_label)
         raise UpstreamError("could not connect to any worker: " + "; ".join(failures))
 
@@ -233,13 +234,14 @@ class RouterApp:
         predicted = min(s.overlap_blocks, max(decision.prompt_tokens - 1, 0) // bs)
         if decision.prompt_tokens:
             self.metrics.predicted_overlap.observe(predicted * bs / decision.prompt_tokens)
-        self.metrics.predicted_tokens.labels(worker).inc(predicted * bs)
+        m = self.metrics
+        m.child(m.predicted_tokens, worker).inc(predicted * bs)
         if outcome.cached_tokens is None:
             return
-        self.metrics.reported_tokens.labels(worker).inc(outcome.cached_tokens)
+        m.child(m.reported_tokens, worker).inc(outcome.cached_tokens)
         reported = outcome.cached_tokens // bs
         result = "exact" if reported == predicted else "over" if predicted > reported else "under"
-        self.metrics.fidelity.labels(worker, result).inc()
+        m.child(m.fidelity, worker, result).inc()
 
     def namespace(self, rin: RoutingInput) -> Namespace:
         lora = rin.model if rin.model and rin.model in self._adapters() else None

@@ -148,7 +148,8 @@ class Response:
                 raise conn.error
             conn.waiter = loop.create_future()
             try:
-                await asyncio.wait_for(conn.waiter, self._timeout)
+                async with asyncio.timeout(self._timeout):
+                    await conn.waiter
             finally:
                 conn.waiter = None
 
@@ -245,7 +246,8 @@ class UpstreamPool:
             assert conn.transport is not None
             conn.transport.write(data)
             try:
-                await asyncio.wait_for(asyncio.shield(conn.head), self.read_timeout)
+                async with asyncio.timeout(self.read_timeout):
+                    await conn.head
             except UpstreamClosed as exc:
                 if reused and exc.before_response:
                     conn, reused = None, False

@@ -46,3 +46,18 @@ def test_forget_worker() -> None:
 def test_ttl_must_be_positive() -> None:
     with pytest.raises(ValueError):
         TtlIndex(FakeClock(), ttl_s=0)
+
+
+def test_a_burst_of_the_same_chain_costs_one_record() -> None:
+    clock = FakeClock()
+    ttl = TtlIndex(clock, ttl_s=100)
+    ttl.record("a", H)
+    clock.advance(0.5)  # within 1% of the TTL: not refreshed
+    ttl.record("a", H)
+    clock.advance(99.6)
+    assert ttl.find_matches(H) == {}
+    ttl.record("a", H)
+    clock.advance(2)  # beyond 1%: refreshed
+    ttl.record("a", H)
+    clock.advance(99)
+    assert "a" in ttl.find_matches(H)

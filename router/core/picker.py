@@ -112,6 +112,7 @@ class RoutingCore:
         self._scorers: list[tuple[Scorer, float]] = build_scorers(
             self.scoring.weights, self.scoring.tier_credit
         )
+        self._weights = {s.name: w for s, w in self._scorers}
         self._rng = rng or random.Random(0)
         self._timer = timer
         self._rr = 0
@@ -224,7 +225,7 @@ class RoutingCore:
     def _worker_score(
         self, c: Candidate, raw: dict[str, dict[str, float]], excluded: str | None
     ) -> WorkerScore:
-        weights = dict(self._scorers_by_name())
+        weights = self._weights
         mine = {name: per[c.name] for name, per in raw.items()}
         weighted = {name: weights[name] * v for name, v in mine.items()}
         return WorkerScore(
@@ -243,9 +244,6 @@ class RoutingCore:
             mode=self.workers[c.name].mode,
             excluded=excluded,
         )
-
-    def _scorers_by_name(self) -> list[tuple[str, float]]:
-        return [(s.name, w) for s, w in self._scorers]
 
     def _order(self, scores: list[WorkerScore]) -> list[WorkerScore]:
         if self.policy == "round_robin":
