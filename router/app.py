@@ -376,6 +376,9 @@ class RouterApp:
                 "available": h.state.available,
                 "mode": h.state.mode,
                 "block_size": h.state.block_size,
+                "configured_block_size": h.config.block_size or self.config.block_size,
+                "mode_setting": h.mode_setting,
+                "topic": h.source.topic if h.source else None,
                 "events_endpoint": h.source.endpoint if h.source else None,
                 "replay_endpoint": h.source.replay_endpoint if h.source else None,
             }
@@ -419,19 +422,26 @@ class RouterApp:
             await asyncio.sleep(2.0)
 
     async def debug_route(self, scope: Scope, body: bytes) -> dict[str, Any]:
-        """Score a prompt without sending it anywhere."""
+        """Score a prompt without sending it anywhere. `?tokens=1` adds the router's token ids
+        (`prompt_token_ids`), so router-check can compare them with the engine's /tokenize."""
+        from urllib.parse import parse_qs
+
+        qs = parse_qs(scope.get("query_string", b"").decode())
         if body:
             doc = msgspec.json.decode(body)
             kind = "chat" if isinstance(doc, dict) and "messages" in doc else "completion"
         else:
-            from urllib.parse import parse_qs
-
-            qs = parse_qs(scope.get("query_string", b"").decode())
             prompt = (qs.get("prompt") or [""])[0]
             body, kind = msgspec.json.encode({"prompt": prompt}), "completion"
         rin = parse(kind, body)
         tokens = await self.tokens(rin)
         decision = self.core.route(tokens, self.namespace(rin))
+        out = self._decision_doc(decision)
+        if (qs.get("tokens") or ["0"])[0] in ("1", "true", "yes"):
+            out["prompt_token_ids"] = list(tokens)
+        return out
+
+    def _decision_doc(self, decision: Decision) -> dict[str, Any]:
         return {
             "policy": decision.policy,
             "prompt_tokens": decision.prompt_tokens,

@@ -248,6 +248,7 @@ class WorkerPool:
                 f"but the engine reports block_size={m.block_size} (vllm:cache_config_info); "
                 f"set block_size: {m.block_size} or start vLLM with --block-size {configured}"
             )
+        h.state.caching = m.prefix_caching is not False
         if m.prefix_caching is False:
             h.problems["prefix_caching"] = (
                 f"worker {h.name} runs with prefix caching off: nothing can be reused, KV-aware "

@@ -161,3 +161,16 @@ def test_health_learns_of_requests_expecting_new_blocks() -> None:
     c.commit(c.route(prompt(5), NS), "w0")
     c.workers["w0"].health._clock.advance(11)  # type: ignore[union-attr,attr-defined]
     assert c.workers["w0"].health.report().state.value == "NO_EVENTS"  # type: ignore[union-attr]
+
+
+def test_scraped_load_counts_only_other_routers_traffic() -> None:
+    c = core()
+    t = c.commit(c.route(prompt(1), NS), "w0")
+    c.load.scraped("w0", running=3, waiting=1, kv_usage=0.5, capacity_blocks=100)
+    view = c.load.view("w0")
+    assert view.requests == 4  # ours (1) + three from elsewhere
+    assert view.decode_blocks == pytest.approx(50 * 3 / 4)
+    c.load.finish(t)
+    assert c.load.view("w0").requests == 3  # our finished request is not counted twice
+    c.load.scraped("w1", running=0, waiting=0, kv_usage=0.0, capacity_blocks=100)
+    assert c.load.view("w1").requests == 0

@@ -18,8 +18,8 @@ async def check_router(ctx: Context) -> Result:
     entries = r.entries
     available = sum(1 for e in entries if e.get("available"))
     evidence = (
-        f"GET /health answered {r.health.status} in {r.health.ms:.0f} ms, /ready {r.ready.status}"
-        f", {len(entries)} workers listed ({available} available), policy {r.policy or '?'}"
+        f"answers in {r.health.ms:.0f} ms, /ready {r.ready.status}, {len(entries)} workers "
+        f"listed ({available} available), policy {r.policy or '?'}"
     )
     findings = [
         *_ready(r.ready),
@@ -102,17 +102,24 @@ async def check_router_health(ctx: Context) -> Result:
     evidence = f"GET /health answered {health.status}: status {status}"
     if health.ok and status == "ok":
         return passed("router-health", f"{evidence}, every worker ok", status=status)
-    evidence += "; " + "; ".join(_describe(w) for w in bad) if bad else ""
+    if bad:
+        evidence += "; " + "; ".join(_describe(w) for w in bad)
     if health.status == 200:
         return warned("router-health", evidence, status=status)
-    fixes = [str(w["fix"]) for w in bad if w.get("fix")] or [
-        str(p) for w in bad for p in w.get("problems") or []
-    ]
-    fix = "; ".join(dict.fromkeys(fixes)) or "see the router's GET /health and its log"
-    return failed("router-health", evidence, fix, status=status, unhealthy=len(bad))
+    return failed("router-health", evidence, _fixes(bad), status=status, unhealthy=len(bad))
 
 
 def _describe(w: dict[str, Any]) -> str:
-    why = [str(w.get("reason") or ""), *map(str, w.get("problems") or [])]
-    text = "; ".join(x for x in why if x) or str(w.get("last_error") or "")
-    return f"{w.get('name')} {w.get('status')} ({w.get('event_health', '?')}): {text}"
+    problems = len(w.get("problems") or [])
+    return (
+        f"{w.get('name')} {w.get('status')} (event health {w.get('event_health', '?')}, "
+        f"{problems} problem{'s' if problems != 1 else ''})"
+    )
+
+
+def _fixes(bad: list[dict[str, Any]]) -> str:
+    """The router's own words: its problems name the fix, and `fix` the event-health one."""
+    texts = [str(p) for w in bad for p in w.get("problems") or []]
+    texts += [str(w["fix"]) for w in bad if w.get("fix")]
+    texts += [f"{w.get('name')}: {w['last_error']}" for w in bad if w.get("last_error")]
+    return "; ".join(dict.fromkeys(texts)) or "see the router's GET /health and its log"

@@ -20,7 +20,10 @@ async def check_worker(ctx: Context, w: WorkerFacts) -> Result:
     """Answers HTTP, serves a model, and the router has it in rotation."""
     if not w.reachable:
         why = w.health.describe() if w.health is not None else "not asked"
-        fix = "start the worker, or correct its URL in the router's worker list"
+        fix = (
+            "start the worker, or correct its URL in the router's worker list; run "
+            "router-check where the router runs (it dials the workers itself) or pass --worker"
+        )
         return failed("worker", f"cannot reach {w.url}: {why}", fix, w.name)
     assert w.health is not None
     evidence = (

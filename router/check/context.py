@@ -5,8 +5,9 @@ inside their own checks and leave what they saw here for the checks after them."
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import httpx
@@ -17,6 +18,7 @@ from router.check.zmqprobe import Observation, Reach
 from router.discovery import EngineMetrics, EventSource, event_source, parse_metrics
 
 WORKER_HEADER = "x-kvroute-worker"
+T = TypeVar("T")
 
 
 class UsageError(ValueError):
@@ -105,6 +107,7 @@ class WorkerFacts:
     health: Fetched | None = None
     models: Fetched | None = None
     metrics_fetch: Fetched | None = None
+    metrics: EngineMetrics | None = None  # parsed from metrics_fetch
     sources: Fetched | None = None
     reach: dict[str, Reach] = field(default_factory=dict)  # endpoint -> handshake result
     observed: Observation | None = None  # what the events-flowing probe saw
@@ -131,16 +134,6 @@ class WorkerFacts:
         return data[0] if data and isinstance(data[0], dict) else None
 
     @property
-    def metrics(self) -> EngineMetrics | None:
-        f = self.metrics_fetch
-        if f is None or not f.ok:
-            return None
-        try:
-            return parse_metrics(f.text)
-        except ValueError:
-            return None
-
-    @property
     def advertised(self) -> EventSource | None:
         """The publisher the engine names in GET /kv_event_sources, made dialable."""
         if self.sources is None or not self.sources.ok:
@@ -157,19 +150,16 @@ class WorkerFacts:
 
     @property
     def router_endpoint(self) -> str | None:
-        return (
-            str(self.entry["events_endpoint"])
-            if self.entry and self.entry.get("events_endpoint")
-            else None
-        )
+        """The publisher the router subscribes to for this worker."""
+        return self._entry_str("events_endpoint")
 
     @property
     def router_replay(self) -> str | None:
-        return (
-            str(self.entry["replay_endpoint"])
-            if self.entry and self.entry.get("replay_endpoint")
-            else None
-        )
+        return self._entry_str("replay_endpoint")
+
+    def _entry_str(self, key: str) -> str | None:
+        value = (self.entry or {}).get(key)
+        return str(value) if value else None
 
     def problems(self, needle: str) -> list[str]:
         """The router's own /health problems for this worker that mention `needle`."""
@@ -186,6 +176,14 @@ class Context:
         self.zmq = zmq_ctx
         self.router = RouterFacts()
         self.workers: list[WorkerFacts] = []
+        self._once: dict[str, asyncio.Task[Any]] = {}
+
+    async def once(self, key: str, make: Callable[[], Awaitable[T]]) -> T:
+        """Run `make` once per run, however many per-worker checks ask concurrently."""
+        if key not in self._once:
+            self._once[key] = asyncio.ensure_future(make())
+        result: T = await self._once[key]
+        return result
 
     @property
     def base(self) -> str:
@@ -261,3 +259,13 @@ async def load_worker(ctx: Context, w: WorkerFacts) -> None:
         ctx.worker_call(w, "GET", "/metrics"),
         ctx.worker_call(w, "GET", "/kv_event_sources"),
     )
+    w.metrics = _parse(w.metrics_fetch)
+
+
+def _parse(f: Fetched | None) -> EngineMetrics | None:
+    if f is None or not f.ok:
+        return None
+    try:
+        return parse_metrics(f.text)
+    except ValueError:
+        return None

@@ -33,10 +33,13 @@ class _Local:
 
 @dataclass
 class _Scraped:
-    running: float = 0.0
-    waiting: float = 0.0
+    """What the engine reported beyond this router's own requests at scrape time: other
+    router replicas' traffic. (Comparing the raw gauges with live local counts would let a
+    one-second-old scrape outweigh requests that already finished.)"""
+
+    others_requests: float = 0.0
+    others_blocks: float = 0.0
     kv_usage: float | None = None
-    capacity_blocks: int | None = None
 
 
 @dataclass
@@ -78,18 +81,22 @@ class LoadTracker:
         kv_usage: float | None,
         capacity_blocks: int | None,
     ) -> None:
-        self._scraped[worker] = _Scraped(running, waiting, kv_usage, capacity_blocks)
+        local = self._local.get(worker, _Local())
+        engine_requests = running + waiting
+        others = max(0.0, engine_requests - local.requests)
+        engine_blocks = (kv_usage or 0.0) * (capacity_blocks or 0)
+        share = others / engine_requests if engine_requests else 0.0
+        self._scraped[worker] = _Scraped(others, engine_blocks * share, kv_usage)
 
     def view(self, worker: str) -> LoadView:
         local = self._local.get(worker, _Local())
         s = self._scraped.get(worker)
         if s is None:
             return LoadView(local.requests, local.prefill_tokens, local.decode_blocks)
-        engine_blocks = (s.kv_usage or 0.0) * (s.capacity_blocks or 0)
         return LoadView(
-            max(local.requests, round(s.running + s.waiting)),
+            local.requests + round(s.others_requests),
             local.prefill_tokens,
-            max(float(local.decode_blocks), engine_blocks),
+            local.decode_blocks + s.others_blocks,
             s.kv_usage,
         )
 

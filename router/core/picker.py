@@ -36,6 +36,7 @@ class WorkerState:
     block_size: int
     capacity_blocks: int | None = None
     available: bool = True  # false while ejected by health checks
+    caching: bool = True  # the engine's prefix caching (vllm:cache_config_info)
     health: HealthTracker | None = None
 
 
@@ -195,6 +196,7 @@ class RoutingCore:
             load=self.load.view(w.name),
             cached_blocks=cached,
             capacity_blocks=w.capacity_blocks,
+            caching=w.caching,
         )
 
     def _run_scorers(

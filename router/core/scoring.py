@@ -31,6 +31,7 @@ class Candidate:
     load: LoadView
     cached_blocks: int  # blocks the index shows on this worker
     capacity_blocks: int | None  # the worker's KV cache size in blocks, if known
+    caching: bool = True  # false when the engine runs with prefix caching off
 
     @property
     def overlap_blocks(self) -> int:
@@ -87,7 +88,9 @@ class HeadroomScorer:
         out: dict[str, float] = {}
         most = max((c.cached_blocks for c in cands), default=0)
         for c in cands:
-            if c.capacity_blocks:
+            if not c.caching:  # an empty cache that can never keep anything is not room
+                out[c.name] = 0.0
+            elif c.capacity_blocks:
                 out[c.name] = 1.0 - min(1.0, c.cached_blocks / c.capacity_blocks)
             else:
                 out[c.name] = 1.0 - (c.cached_blocks / most if most else 0.0)

@@ -1,0 +1,3 @@
+from router.check.cli import main
+
+raise SystemExit(main())
