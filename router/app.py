@@ -38,6 +38,7 @@ from router.asgi import (
 from router.core.config import Config, WorkerConfig, from_mapping
 from router.core.errors import (
     BadRequest,
+    ConfigError,
     KvrouteError,
     MethodNotAllowed,
     NotFound,
@@ -392,7 +393,10 @@ class RouterApp:
             raise BadRequest(f"body is not JSON: {exc}") from None
         if not isinstance(doc, dict) or not isinstance(doc.get("workers"), list):
             raise BadRequest('send {"workers": [URL or {url, events?, replay?, ...}, ...]}')
-        new = from_mapping({"workers": doc["workers"]}, self.config).validate()
+        try:
+            new = from_mapping({"workers": doc["workers"]}, self.config).validate()
+        except ConfigError as err:
+            raise BadRequest(err.message, param=err.param) from None
         await self.pool.set_workers(new.workers)
         log.warning("worker list reloaded: %s", ", ".join(w.name for w in new.workers))
 

@@ -262,3 +262,41 @@ async def test_models_union_and_ready() -> None:
         assert (await s.client.get("/ready")).json() == {"ready": True}
         models = (await s.client.get("/v1/models")).json()
         assert [m["id"] for m in models["data"]] == ["kvroute-sim"]
+
+
+async def test_admin_token_guards_and_reloads_the_worker_list() -> None:
+    async with kvroute(admin_token="s3cret") as s:
+        assert (await s.client.get("/admin/workers")).status_code == 403
+        auth = {"authorization": "Bearer s3cret"}
+        listed = (await s.client.get("/admin/workers", headers=auth)).json()["workers"]
+        assert len(listed) == 2
+        keep = s.fleet.urls[1]
+        resp = await s.client.post("/admin/workers", json={"workers": [keep]}, headers=auth)
+        assert resp.status_code == 200 and [w["url"] for w in resp.json()["workers"]] == [keep]
+        for _ in range(3):
+            assert worker_of(await complete(s.client, DOC)) == keep.removeprefix("http://")
+        bad = await s.client.post("/admin/workers", json={"workers": ["ftp://x"]}, headers=auth)
+        assert bad.status_code == 400 and "workers[0].url" in bad.json()["error"]["message"]
+
+
+async def test_explain_prints_each_workers_terms(capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from router.explain import run
+
+    async with kvroute() as s:
+        first = await complete(s.client, DOC)
+        await wait_events(s.app, worker_of(first))
+        args = argparse.Namespace(
+            router=s.url,
+            prompt=DOC,
+            messages=None,
+            model="",
+            cache_salt=None,
+            admin_token=None,
+            json=False,
+        )
+        assert await asyncio.to_thread(run, args) == 0
+    out = capsys.readouterr().out
+    assert f"winner: {worker_of(first)}" in out
+    assert "prefix" in out and "headroom" in out
