@@ -140,7 +140,8 @@ class RoutingCore:
         if not pool:
             raise NoWorkerAvailable(self._why_none(skip))
         hashes = {bs: _hashes(tokens, bs, ns) for bs in {w.block_size for w in pool}}
-        cands = [self._candidate(w, hashes[w.block_size]) for w in pool]
+        lookups = {bs: self._lookups(h, pool) for bs, h in hashes.items()}
+        cands = [self._candidate(w, lookups[w.block_size]) for w in pool]
         request = ScoreRequest(prompt_tokens=len(tokens))
         raw, timings = self._run_scorers(request, cands)
         excluded = self._load_bound(cands)
@@ -180,14 +181,27 @@ class RoutingCore:
             parts.append(f"already tried: {', '.join(sorted(skip))}")
         return "no worker available (" + "; ".join(parts) + ")"
 
-    def _candidate(self, w: WorkerState, hashes: list[RouterBlockHash]) -> Candidate:
+    def _lookups(
+        self, hashes: list[RouterBlockHash], pool: list[WorkerState]
+    ) -> tuple[dict[str, Overlap], dict[str, Overlap], dict[str, Overlap]]:
+        """Each index is asked once per block size; it answers for every worker at once."""
+        modes = {w.mode for w in pool}
+        exact = self.index.find_matches(hashes) if EVENTS in modes else {}
+        guess = self.predictions.find_matches(hashes) if EVENTS in modes else {}
+        approx = self.approx.find_matches(hashes) if APPROX in modes else {}
+        return exact, guess, approx
+
+    def _candidate(
+        self,
+        w: WorkerState,
+        lookups: tuple[dict[str, Overlap], dict[str, Overlap], dict[str, Overlap]],
+    ) -> Candidate:
+        exact, guess, approx = lookups
         if w.mode == EVENTS:
-            exact = self.index.find_matches(hashes).get(w.name)
-            guess = self.predictions.find_matches(hashes).get(w.name)
-            overlap = _better(exact, guess)
+            overlap = _better(exact.get(w.name), guess.get(w.name))
             cached = self.index.entries_of(w.name)
         else:
-            overlap = self.approx.find_matches(hashes).get(w.name)
+            overlap = approx.get(w.name)
             cached = self.approx.entries_of(w.name)
         return Candidate(
             name=w.name,
