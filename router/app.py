@@ -340,7 +340,6 @@ class RouterApp:
 
     def health(self) -> tuple[int, dict[str, Any]]:
         reports = [self.pool.worker_report(h) for h in self.pool.handles.values()]
-        self.pool.log_problems(reports)
         statuses = {r["status"] for r in reports}
         if "unhealthy" in statuses:
             status = "unhealthy"

@@ -352,8 +352,11 @@ class WorkerPool:
             h.last_error = why
 
     async def refresh_modes(self) -> None:
+        """Every second: modes follow event health, and broken workers are logged (at most
+        once a minute each) whether or not anyone polls /health."""
         for h in self.handles.values():
             self.refresh_mode(h)
+        self.log_problems([self.worker_report(h) for h in self.handles.values()])
 
     def refresh_mode(self, h: WorkerHandle) -> None:
         """auto: events while they flow, approximate otherwise (and /health says so)."""
