@@ -78,13 +78,14 @@ class WorkerPool:
         self.clock = clock
         self.tokenizer = tokenizer
         self.handles: dict[str, WorkerHandle] = {}
-        self._zmq = zmq.asyncio.Context()
+        self._zmq: zmq.asyncio.Context | None = None  # made in start(), destroyed in stop()
         self._loops: list[asyncio.Task[None]] = []
         self._last_error_log: dict[str, float] = {}
 
     # ---- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
+        self._zmq = zmq.asyncio.Context()
         await self.set_workers(self.config.workers)
         self._loops = [
             *(
@@ -107,7 +108,9 @@ class WorkerPool:
         for task in self._loops:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._zmq.destroy(linger=0)
+        if self._zmq is not None:
+            self._zmq.destroy(linger=0)
+            self._zmq = None
 
     async def _every(self, seconds: float, fn: Any) -> None:
         while True:
@@ -224,10 +227,15 @@ class WorkerPool:
             src.endpoint,
             replay_endpoint=src.replay_endpoint,
             topic=src.topic,
-            ctx=self._zmq,
+            ctx=self._context(),
             on_batch=lambda: self._learned_block_size(h),
         )
         h.task = asyncio.create_task(h.subscriber.run(), name=f"events-{h.name}")
+
+    def _context(self) -> zmq.asyncio.Context:
+        if self._zmq is None:
+            self._zmq = zmq.asyncio.Context()
+        return self._zmq
 
     def _learned_block_size(self, h: WorkerHandle) -> None:
         if h.ingest is not None and h.ingest.learned_block_size:
