@@ -42,9 +42,9 @@ async def kvroute(
 ) -> AsyncIterator[Setup]:
     base = sim or SimConfig(block_size=16, kv_blocks=512, topic="kv-events")
     async with run_fleet(n, base, no_events_on=no_events_on) as fleet:
+        config.setdefault("tokenizer", str(PACKAGED_TOKENIZER))
         cfg = Config(
             workers=tuple(WorkerConfig(u) for u in fleet.urls),
-            tokenizer=str(PACKAGED_TOKENIZER),
             scrape_interval_s=0.2,
             health_check_interval_s=0.2,
             **config,
@@ -300,3 +300,70 @@ async def test_explain_prints_each_workers_terms(capsys: pytest.CaptureFixture[s
     out = capsys.readouterr().out
     assert f"winner: {worker_of(first)}" in out
     assert "prefix" in out and "headroom" in out
+
+
+async def predicted_blocks(s: Setup, body: dict[str, Any], worker: str) -> int:
+    route = (await s.client.post("/debug/route", json=body)).json()
+    return int(next(w["overlap_blocks"] for w in route["workers"] if w["worker"] == worker))
+
+
+async def test_cache_salt_and_lora_namespaces_never_share_blocks() -> None:
+    sim = SimConfig(
+        block_size=16,
+        kv_blocks=512,
+        topic="kv-events",
+        lora_modules=(("lora-a", "/models/lora-a"),),
+    )
+    async with kvroute(n=1, sim=sim) as s:
+        worker = f"127.0.0.1:{s.fleet.workers[0].port}"
+        plain = await complete(s.client, DOC)
+        await wait_events(s.app, worker)
+        variants: list[dict[str, Any]] = [
+            {"prompt": DOC, "cache_salt": "tenant-1"},
+            {"prompt": DOC, "model": "lora-a"},
+        ]
+        for extra in variants:
+            body = {"model": "kvroute-sim", "max_tokens": 4, **extra}
+            assert await predicted_blocks(s, body, worker) == 0
+            blocks_before = s.app.core.index.entries_of(worker)
+            first = await s.client.post("/v1/completions", json=body)
+            assert first.status_code == 200, first.text
+            assert cached(first) == 0  # the engine agrees: a different namespace
+            await wait_events(s.app, worker, blocks_before + 1)
+            again = await s.client.post("/v1/completions", json=body)
+            prompt_tokens = again.json()["usage"]["prompt_tokens"]
+            predicted = await predicted_blocks(s, body, worker)
+            # an engine never serves a prompt's last token from cache
+            assert cached(again) // 16 == min(predicted, (prompt_tokens - 1) // 16) > 0
+        assert cached(plain) == 0
+
+
+async def test_remote_tokenizer_routes_by_prefix_too() -> None:
+    async with kvroute(tokenizer="remote") as s:
+        first = await complete(s.client, DOC)
+        await wait_events(s.app, worker_of(first))
+        again = await complete(s.client, DOC + " again")
+        assert worker_of(again) == worker_of(first) and cached(again) > 0
+        assert s.app._remote_cache.hits + s.app._remote_cache.misses >= 2
+
+
+async def test_request_id_is_kept_and_routing_headers_are_ignored() -> None:
+    async with kvroute() as s:
+        first = await complete(s.client, DOC)
+        await wait_events(s.app, worker_of(first))
+        other = next(
+            f"127.0.0.1:{w.port}"
+            for w in s.fleet.workers
+            if f"127.0.0.1:{w.port}" != worker_of(first)
+        )
+        body = {"model": "kvroute-sim", "prompt": DOC, "max_tokens": 2}
+        steer = {
+            "x-kvroute-worker": other,
+            "x-gateway-destination-endpoint": other,
+            "x-request-id": "req-42",
+        }
+        resp = await s.client.post("/v1/completions", json=body, headers=steer)
+        assert worker_of(resp) == worker_of(first)  # a client cannot steer the pick
+        assert resp.headers["x-request-id"] == "req-42"
+        fresh = await complete(s.client, DOC)
+        assert len(fresh.headers["x-request-id"]) == 32
