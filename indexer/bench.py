@@ -173,12 +173,16 @@ def _find_matches(wl: Workload, lookup: Callable[[list[int]], object]) -> dict[s
     return out
 
 
-def _find_matches_pre_hashed(wl: Workload, lookup: Callable[[list[int]], object]) -> dict[str, Any]:
+def _find_matches_pre_hashed(
+    wl: Workload,
+    lookup: Callable[[list[int]], object],
+    hasher: Callable[[Sequence[int]], list[int]] | None = None,
+) -> dict[str, Any]:
     """The index lookup alone, on hashes computed beforehand (comparable with a RadixTree
     that is handed hashes)."""
     out = {}
     for size, qs in wl.queries.items():
-        hashed = [_hashes(q) for q in qs]
+        hashed = [(hasher or _hashes)(q) for q in qs]
         samples: list[float] = []
         for h in hashed:
             samples += _timed_us(lambda h=h: lookup(h), 3)  # type: ignore[misc]
@@ -234,7 +238,7 @@ def bench_dynamo(wl: Workload) -> dict[str, Any] | None:
     return {
         "apply_blocks_per_s": round(wl.stored_blocks / apply_s),
         "find_matches_us": _find_matches(wl, lambda q: tree.find_matches(dyn_hashes(q))),
-        "find_matches_only_us": _find_matches_pre_hashed_dyn(wl, tree, dyn_hashes),
+        "find_matches_only_us": _find_matches_pre_hashed(wl, tree.find_matches, dyn_hashes),
         "hash_8k_tokens_us": _pcts(_timed_us(lambda: dyn_hashes(wl.queries["512"][0][:8192]), 500))[
             "p50"
         ],
@@ -247,19 +251,6 @@ def _dynamo_chains(
 ) -> list[list[int]]:
     """Per event, Dynamo's local hashes of its new blocks."""
     return [dyn_hashes(list(e.token_ids)) for _, e, _ in wl.events]
-
-
-def _find_matches_pre_hashed_dyn(
-    wl: Workload, tree: Any, dyn_hashes: Callable[[Sequence[int]], list[int]]
-) -> dict[str, Any]:
-    out = {}
-    for size, qs in wl.queries.items():
-        hashed = [dyn_hashes(q) for q in qs]
-        samples: list[float] = []
-        for h in hashed:
-            samples += _timed_us(lambda h=h: tree.find_matches(h), 3)  # type: ignore[misc]
-        out[size] = _pcts(samples)
-    return out
 
 
 def _rss() -> int:

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from router.procs import FleetProcess, RouterProcess
+from router.textgen import filler
 from router.tokenize import PACKAGED_TOKENIZER, LocalTokenizer
 
 PREFIXES = 12
@@ -94,49 +95,7 @@ def _pct(sorted_values: list[float], q: float) -> float:
 def make_prefixes(tok: LocalTokenizer, seed: int) -> list[str]:
     """Distinct ~1,500-token documents (deterministic)."""
     rng = random.Random(seed)
-    words = [
-        "cache",
-        "router",
-        "block",
-        "prefix",
-        "token",
-        "worker",
-        "engine",
-        "model",
-        "prompt",
-        "latency",
-        "queue",
-        "memory",
-        "request",
-        "stream",
-        "batch",
-        "decode",
-        "prefill",
-        "event",
-        "index",
-        "replay",
-        "shard",
-        "pod",
-        "cluster",
-        "gateway",
-        "tensor",
-        "kernel",
-        "layer",
-        "head",
-        "attention",
-        "window",
-        "budget",
-        "policy",
-        "metric",
-        "signal",
-    ]
-    docs = []
-    for i in range(PREFIXES):
-        text = f"Document {i}: "
-        while len(tok.completion(text)) < PREFIX_TOKENS:
-            text += " ".join(rng.choice(words) for _ in range(40)) + ". "
-        docs.append(text)
-    return docs
+    return [filler(tok, PREFIX_TOKENS, rng, head=f"Document {i}: ") for i in range(PREFIXES)]
 
 
 async def _one(client: httpx.AsyncClient, url: str, prompt: str) -> tuple[float, int, int, str]:

@@ -30,7 +30,22 @@ def free_port() -> int:
         return port
 
 
-class FleetProcess:
+class _Stoppable:
+    """Context-manager protocol for child processes: leaving the block stops the child."""
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+class FleetProcess(_Stoppable):
     """`kvroute fleet` in a child process."""
 
     def __init__(

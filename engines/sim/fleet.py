@@ -161,6 +161,18 @@ def _write_atomic(path: Path, text: str) -> None:
 # ---- as a subprocess -----------------------------------------------------------------------
 
 
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> int:
+    """End a child we started, by its PID: SIGTERM, then SIGKILL after `timeout`."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode
+
+
 class FleetProcess:
     """A `kvroute fleet` child process; `info` is its JSON, `stop()` ends it by PID."""
 
@@ -182,14 +194,7 @@ class FleetProcess:
     def stop(self, timeout: float = 10.0) -> int:
         """SIGTERM, then SIGKILL after `timeout`; returns the exit status."""
         atexit.unregister(self.stop)
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout)
 
     def __enter__(self) -> Self:
         return self

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -28,6 +29,7 @@ from typing import Any
 import httpx
 
 from router.procs import RouterProcess, free_port
+from router.textgen import filler
 from router.tokenize import PACKAGED_TOKENIZER, LocalTokenizer
 
 MODEL = "kvroute-sim"
@@ -42,29 +44,7 @@ class Run:
 
 
 def make_prompt(tokens: int = 2000) -> str:
-    tok = LocalTokenizer(PACKAGED_TOKENIZER)
-    words = [
-        "cache",
-        "router",
-        "block",
-        "prefix",
-        "token",
-        "worker",
-        "engine",
-        "model",
-        "prompt",
-        "latency",
-        "queue",
-        "memory",
-        "request",
-        "stream",
-        "batch",
-    ]
-    text, i = "", 0
-    while len(tok.completion(text)) < tokens:
-        text += " ".join(words[(i * 7 + j) % len(words)] for j in range(30)) + ". "
-        i += 1
-    return text
+    return filler(LocalTokenizer(PACKAGED_TOKENIZER), tokens, random.Random(3))
 
 
 def write_lua(folder: Path, prompt: str) -> Path:
