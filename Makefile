@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvroute-installed
 
-.PHONY: test demo lint typecheck unit venv clean
+.PHONY: test demo lint typecheck unit venv clean conformance
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,9 @@ test: lint typecheck unit
 
 demo: $(STAMP)
 	$(VENV)/bin/kvroute demo
+
+conformance: $(STAMP)  ## real vLLM on the CPU: bash conformance/setup_vllm.sh first
+	$(PY) -m conformance --target vllm --report out/conformance-vllm.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

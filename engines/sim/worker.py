@@ -107,6 +107,7 @@ class SimWorker:
         self.fingerprint = f"vllm-0.32.0-{hashlib.sha256(repr(c).encode()).hexdigest()[:8]}"
         self.app = build_app(self)
         self._server: _Server | None = None
+        self._sock: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None
         self.port: int | None = None
         self.startup_error: Exception | None = None
@@ -151,6 +152,7 @@ class SimWorker:
             timeout_graceful_shutdown=2,
         )
         self._server = _Server(config)
+        self._sock = sock
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="sim-http")
         deadline = asyncio.get_running_loop().time() + timeout
         while not self._server.started:
@@ -179,6 +181,9 @@ class SimWorker:
             return
         server.should_exit = True
         await task
+        if self._sock is not None:
+            self._sock.close()  # uvicorn closes its server, not the socket handed to it
+            self._sock = None
 
     @property
     def url(self) -> str:

@@ -1,0 +1,26 @@
+"""The conformance checks, and the order they run in: chosen so that engines are shared
+(the 32-byte engine first, then stopped; everything on `main`; the restart last but one;
+the two-worker fleet last)."""
+
+from conformance.checks import chaining, fidelity, fleet, replay, tokenizer, wire_format
+from conformance.registry import REGISTRY, Check
+
+RUN_ORDER = (
+    "chaining-32byte",
+    "chaining",
+    "wire-format",
+    "tokenizer",
+    "index-fidelity",
+    "replay",
+    "fleet",
+)
+
+
+def registry() -> dict[str, Check]:
+    """Every registered check, in run order (any not listed in RUN_ORDER go last)."""
+    ordered = {name: REGISTRY[name] for name in RUN_ORDER}
+    return ordered | {name: c for name, c in REGISTRY.items() if name not in ordered}
+
+
+__all__ = ["RUN_ORDER", "chaining", "fidelity", "fleet", "registry", "replay", "tokenizer"]
+__all__ += ["wire_format"]
