@@ -64,9 +64,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SelectionError as exc:
         print(f"conformance: {exc}", file=sys.stderr)
         return 2
-    target = make_target(args.target, args.model_dir)
-    workdir = args.workdir or Path(tempfile.mkdtemp(prefix=f"kvroute-conformance-{args.target}-"))
-    ctx = Context(target, Session(target, checks), workdir, args.fixtures_out)
+    target = make_target(args.target, args.model_dir.resolve() if args.model_dir else None)
+    # absolute: child processes (captures, engines) run in other folders
+    workdir = (
+        args.workdir or Path(tempfile.mkdtemp(prefix=f"kvroute-conformance-{args.target}-"))
+    ).resolve()
+    fixtures_out = args.fixtures_out.resolve() if args.fixtures_out else None
+    ctx = Context(target, Session(target, checks), workdir, fixtures_out)
     started, t0 = dt.datetime.now(dt.UTC), time.monotonic()
     # SIGTERM (a CI timeout) unwinds like Ctrl-C, so every engine and child is stopped.
     signal.signal(signal.SIGTERM, signal.default_int_handler)

@@ -35,7 +35,7 @@ class CaptureProcess:
         self.cmd += ["--replay-endpoint", replay_endpoint, "--topic", topic, "--out", str(out)]
         self._proc: subprocess.Popen[bytes] | None = None
 
-    async def start(self, timeout_s: float = 20.0) -> None:
+    async def start(self, timeout_s: float = 60.0) -> None:
         """Start and wait until its replay answer is written: from then on it hears live."""
         self._proc = spawn(self.cmd, self.log_path)
         deadline = time.monotonic() + timeout_s

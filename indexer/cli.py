@@ -78,24 +78,18 @@ def _subscribe(args: argparse.Namespace) -> Any:
 
 
 def _capture(args: argparse.Namespace) -> int:
-    import zmq
-
-    from indexer.subscriber import END_SEQ
 
     sub = _subscribe(args)
     writer = CaptureWriter(args.out)
     time.sleep(0.3)  # let the subscription reach the publisher before asking for history
-    if args.replay_endpoint:
-        dealer: Any = zmq.Context.instance().socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(args.replay_endpoint)
-        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-        while dealer.poll(3000):
-            _, topic, seq, payload = dealer.recv_multipart()
-            writer.add("replay", [topic, seq, payload], prefix="replay_from0")
-            if seq == END_SEQ:
-                break
-        dealer.close()
+    if args.replay_endpoint and not _capture_history(args.replay_endpoint, writer):
+        print(
+            f"warning: the replay socket {args.replay_endpoint} did not answer; batches "
+            "published before this capture started are missing",
+            file=sys.stderr,
+        )
+    writer.flush()  # the index exists from here on: readers can tell the capture is live
+    print(f"capturing from {args.endpoint} into {args.out}", file=sys.stderr, flush=True)
     deadline = time.monotonic() + args.seconds if args.seconds else None
     live = 0
     try:
@@ -116,6 +110,36 @@ def _capture(args: argparse.Namespace) -> int:
         sub.close()
     print(f"captured {live} live batches ({len(writer)} messages) into {args.out}")
     return 0
+
+
+def _capture_history(endpoint: str, writer: CaptureWriter, attempts: int = 3) -> bool:
+    """Ask the replay socket for everything from sequence 0; True once its end marker came.
+    A fresh DEALER per attempt, so a late answer to an earlier one cannot interleave."""
+    import zmq
+
+    from indexer.subscriber import END_SEQ
+
+    for _ in range(attempts):
+        dealer: Any = zmq.Context.instance().socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(endpoint)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        frames: list[list[bytes]] = []
+        done = False
+        while dealer.poll(5000):
+            reply = dealer.recv_multipart()
+            if len(reply) != 4:
+                continue
+            frames.append(reply[1:])
+            if reply[2] == END_SEQ:
+                done = True
+                break
+        dealer.close()
+        if done:
+            for topic, seq, payload in frames:
+                writer.add("replay", [topic, seq, payload], prefix="replay_from0")
+            return True
+    return False
 
 
 def _replay(args: argparse.Namespace) -> int:
