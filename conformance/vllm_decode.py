@@ -1,9 +1,9 @@
 """Decode KV event payloads with vLLM's own `KVEventBatch` (run by the vLLM venv's python).
 
 stdin: one {"id", "payload": base64} per line. stdout: one {"id", "batch": view} or
-{"id", "error"} per line, where the view matches `conformance.wire.norm` (kept in step by
-hand: this script must import nothing from the project, whose dependencies the vLLM venv
-does not have).
+{"id", "error"} per line. `norm` is also what `conformance.wire` compares with, so both
+sides share one view; this script imports nothing from the project (whose dependencies the
+vLLM venv does not have) and imports vLLM only when run.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import msgspec
 
 
 def norm(value: Any) -> Any:
+    """JSON-comparable form of a decoded batch's parts."""
     if isinstance(value, bytes):
         return {"hex": value.hex()}
     if isinstance(value, list | tuple):

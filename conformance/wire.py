@@ -19,24 +19,13 @@ from typing import Any
 
 import msgspec
 
+from conformance.vllm_decode import norm  # one view for both sides of the comparison
 from conformance.vllm_server import vllm_python
 from engines.vllm import events as wire
 from indexer.capture import read_capture
 
 Payload = tuple[str, bytes]  # (label, msgpack payload)
 _DECODER_SCRIPT = Path(__file__).with_name("vllm_decode.py")
-
-
-def norm(value: Any) -> Any:
-    """JSON-comparable form; the same function is applied on the vLLM side."""
-    if isinstance(value, bytes):
-        return {"hex": value.hex()}
-    if isinstance(value, list | tuple):
-        return [norm(v) for v in value]
-    if isinstance(value, msgspec.Struct):
-        fields = {f: norm(getattr(value, f)) for f in value.__struct_fields__}
-        return {"type": type(value).__name__, **fields}
-    return value
 
 
 def kvroute_view(payload: bytes) -> dict[str, Any]:
