@@ -39,6 +39,7 @@ from router.core.config import Config, WorkerConfig, from_mapping
 from router.core.errors import (
     BadRequest,
     ConfigError,
+    Forbidden,
     KvrouteError,
     MethodNotAllowed,
     NotFound,
@@ -56,11 +57,6 @@ from router.workers import WorkerPool
 log = logging.getLogger("kvroute.proxy")
 
 ROUTES = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
-
-
-class Forbidden(KvrouteError):
-    status = 403
-    type = "permission_error"
 
 
 class RouterApp:

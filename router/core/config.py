@@ -66,7 +66,9 @@ class Config:
     connect_timeout_s: float = 2.0
     request_timeout_s: float = 600.0
     max_body_bytes: int = 32 * 1024 * 1024
-    max_index_entries: int = 20_000_000
+    # worker x block pairs; ~180 bytes each, so the default bounds the index near 700 MB.
+    # A fleet's total KV blocks should fit well below it (see indexer.index on the bound).
+    max_index_entries: int = 4_000_000
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     seed: int | None = None
     workers_file: str | None = None  # reloaded on change

@@ -33,6 +33,11 @@ class BadRequest(KvrouteError):
     type = "invalid_request_error"
 
 
+class Forbidden(KvrouteError):
+    status = 403
+    type = "permission_error"
+
+
 class NotFound(KvrouteError):
     status = 404
     type = "not_found_error"

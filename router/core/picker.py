@@ -99,7 +99,7 @@ class RoutingCore:
         policy: str = "kv",
         prediction_ttl_s: float = 5.0,
         approx_ttl_s: float = 120.0,
-        max_index_entries: int = 20_000_000,
+        max_index_entries: int = 4_000_000,
         rng: random.Random | None = None,
         timer: Callable[[], float] | None = None,
     ) -> None:
