@@ -161,6 +161,14 @@ class RouterApp:
         decision = self.core.route(tokens, self.namespace(rin))
         self.metrics.decision_seconds.observe(time.perf_counter() - t0)
         request_id = header(scope, b"x-request-id") or uuid.uuid4().hex.encode()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "request %s -> %s (scorers %s us)\n%s",
+                request_id.decode(errors="replace"),
+                decision.best.worker,
+                {k: round(v, 1) for k, v in decision.scorer_us.items()},
+                decision.explain(),
+            )
         headers = upstream_headers(scope["headers"], request_id, self.forwarder.worker_header)
         me = asyncio.current_task()
         assert me is not None
@@ -465,6 +473,7 @@ class RouterApp:
                 }
                 for s in decision.ranked
             ],
+            "scorer_us": {k: round(v, 1) for k, v in decision.scorer_us.items()},
             "explain": decision.explain(),
         }
 

@@ -393,3 +393,13 @@ async def test_a_worker_restarted_without_events_is_rediscovered_and_forgotten()
         assert s.app.core.index.entries_of(name) == 0  # the old cache is gone with the old engine
         assert any("no KV event publisher" in p for p in report["problems"])
         assert name in health["unhealthy_workers"]
+
+
+async def test_debug_log_line_shows_the_formula(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="kvroute.proxy")
+    async with kvroute(n=1) as s:
+        await complete(s.client, DOC)
+    line = next(r.message for r in caplog.records if r.message.startswith("request "))
+    assert "total" in line and "prefix" in line and "load" in line and "scorers" in line
