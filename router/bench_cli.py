@@ -22,6 +22,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "sglang-router and vllm-router when installed (needs wrk)",
     )
     px.add_argument("--json", type=Path, help="write the results here as JSON")
+    px.add_argument("--plot", type=Path, help="write a bar chart here (SVG)")
     px.add_argument("--seconds", type=int, default=5, help="per wrk run (default 5)")
     px.add_argument("--repeat", type=int, default=3, help="runs per point; medians (default 3)")
     px.add_argument("--only", nargs="+", help="targets to run: kvroute sglang-router vllm-router")
@@ -38,5 +39,5 @@ def _index(args: argparse.Namespace) -> int:
 def _proxy(args: argparse.Namespace) -> int:
     from router.bench.proxy import run
 
-    run(args.json, seconds=args.seconds, repeat=args.repeat, only=args.only)
+    run(args.json, seconds=args.seconds, repeat=args.repeat, only=args.only, plot_path=args.plot)
     return 0

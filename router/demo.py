@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 
 from router.procs import FleetProcess, RouterProcess
+from router.svgplot import bar_chart
 from router.textgen import filler
 from router.tokenize import PACKAGED_TOKENIZER, LocalTokenizer
 
@@ -42,6 +43,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--json", type=Path, help="also write the numbers here")
+    p.add_argument("--plot", type=Path, help="also write a bar chart here (SVG)")
     p.add_argument("--seed", type=int, default=1, help="workload shuffle seed")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     p.set_defaults(func=run)
@@ -190,6 +192,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json}")
+    if args.plot:
+        args.plot.write_text(plot(report, args.policies))
+        print(f"wrote {args.plot}")
     kv = report.get("kv")
     if kv is not None:
         ok = (
@@ -201,6 +206,23 @@ def run(args: argparse.Namespace) -> int:
             f"{'MET' if ok else 'NOT MET'}"
         )
     return 0
+
+
+def plot(report: dict[str, Any], policies: list[str]) -> str:
+    series = {
+        p: {
+            "TTFT mean (ms)": report[p]["ttft_ms_mean"],
+            "TTFT p90 (ms)": report[p]["ttft_ms_p90"],
+            "repeat hit rate": report[p]["repeat_hit_rate"],
+        }
+        for p in policies
+    }
+    series["oracle"] = {"TTFT mean (ms)": report["oracle_ttft_ms_mean"], "repeat hit rate": 1.0}
+    return bar_chart(
+        "kvroute demo: 12 prefixes x 6 requests, 2 simulated workers",
+        series,
+        "TTFT: lower is better; repeat hit rate: higher is better",
+    )
 
 
 def _oracle(results: dict[str, PolicyResult], prefix_tokens: dict[int, int]) -> float:

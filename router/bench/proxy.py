@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 
 from router.procs import RouterProcess, free_port
+from router.svgplot import bar_chart
 from router.textgen import filler
 from router.tokenize import PACKAGED_TOKENIZER, LocalTokenizer
 
@@ -196,7 +197,11 @@ TARGETS: dict[str, Callable[[list[str]], Any]] = {
 
 
 def run(
-    json_path: Path | None, seconds: int = 5, repeat: int = 3, only: list[str] | None = None
+    json_path: Path | None,
+    seconds: int = 5,
+    repeat: int = 3,
+    only: list[str] | None = None,
+    plot_path: Path | None = None,
 ) -> dict[str, Any]:
     if shutil.which("wrk") is None:
         raise SystemExit("kvroute bench proxy needs wrk (apt-get install wrk)")
@@ -221,7 +226,28 @@ def run(
     if json_path is not None:
         json_path.write_text(json.dumps(results, indent=2))
         print(f"wrote {json_path}")
+    if plot_path is not None:
+        plot_path.write_text(plot(results))
+        print(f"wrote {plot_path}")
     return results
+
+
+def plot(results: dict[str, Any]) -> str:
+    series = {
+        name: {
+            "added p50 c=1 (us)": t["c1"].get("added_p50_us", 0.0),
+            "added p99 c=1 (us)": t["c1"].get("added_p99_us", 0.0),
+            "req/s c=32": float(t["c32"]["rps"]),
+        }
+        for name, t in results["targets"].items()
+        if name != "direct" and "skipped" not in t
+    }
+    return bar_chart(
+        "Proxy overhead over a fast fake backend (~2k-token prompt)",
+        series,
+        "latency added over direct access (lower is better); req/s at 32 connections "
+        "(higher is better)",
+    )
 
 
 def _measure(url: str, lua: Path, seconds: int, repeat: int) -> dict[str, Any]:
