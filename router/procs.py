@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from typing import Any, Self
 import httpx
 
 from engines.sim.fleet import FleetProcess as _SimFleet
-from engines.sim.fleet import start_fleet_process
+from engines.sim.fleet import start_fleet_process, stop_process
 
 
 def free_port() -> int:
@@ -70,16 +69,8 @@ class FleetProcess(_Stoppable):
     def stop(self) -> None:
         self._fleet.stop()
 
-    def __enter__(self) -> Self:
-        return self
 
-    def __exit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-
-
-class RouterProcess:
+class RouterProcess(_Stoppable):
     """`kvroute serve` in a child process, on a free port, waited for until /ready."""
 
     def __init__(
@@ -137,21 +128,7 @@ class RouterProcess:
         return self.log_path.read_text(errors="replace")[-3000:]
 
     def stop(self, timeout: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
+        stop_process(self.proc, timeout)
 
 
 def _quiet_server_class() -> Any:

@@ -146,28 +146,12 @@ def _peer_bin(name: str) -> str | None:
 
 
 def sglang_target(workers: list[str]) -> Any | None:
-    python = _peer_bin("python")
-    if (
-        python is None
-        or subprocess.run([python, "-c", "import sglang_router"], capture_output=True).returncode
-        != 0
-    ):
+    binary = _peer_bin("sglang-router")
+    if binary is None:
         return None
     port = free_port()
-    cmd = [
-        python,
-        "-m",
-        "sglang_router.launch_router",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--policy",
-        "cache_aware",
-        "--worker-urls",
-        *workers,
-    ]
-    return _child(cmd, f"http://127.0.0.1:{port}", "/health")
+    cmd = [binary, "launch", *_peer_args(port, workers), "--log-level", "warn"]
+    return _child(cmd, f"http://127.0.0.1:{port}", "/readiness")
 
 
 def vllm_router_target(workers: list[str]) -> Any | None:
@@ -175,18 +159,19 @@ def vllm_router_target(workers: list[str]) -> Any | None:
     if binary is None:
         return None
     port = free_port()
-    cmd = [
-        binary,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--policy",
-        "cache_aware",
-        "--worker-urls",
-        *workers,
-    ]
-    return _child(cmd, f"http://127.0.0.1:{port}", "/health")
+    cmd = [binary, *_peer_args(port, workers), "--log-level", "warning"]
+    return _child(cmd, f"http://127.0.0.1:{port}", "/readiness")
+
+
+def _peer_args(port: int, workers: list[str]) -> list[str]:
+    """Both peers: cache_aware, on loopback, periodic health checks out of the benchmark's
+    way, their Prometheus endpoint (neither can turn it off) on loopback too."""
+    return [
+        "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
+        "--policy", "cache_aware", "--health-check-interval-secs", "3600",
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+        "--worker-startup-check-interval", "1",
+    ]  # fmt: skip
 
 
 TARGETS: dict[str, Callable[[list[str]], Any]] = {
