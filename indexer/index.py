@@ -159,24 +159,18 @@ class PrefixIndex:
         self._free_bits.append(w.bit.bit_length() - 1)
 
     def _drop_bits(self, w: _Worker, rh: int) -> None:
-        """Clear a worker's bit on one block in every tier (bulk clear; bookkeeping is
-        reset by the caller)."""
+        """Clear a worker's bit on one block in every tier, and forget the block's parent
+        once nobody holds it. Entry/kids/holes bookkeeping is the caller's."""
         keep = ~w.bit
-        masks = self._masks
-        m = masks.get(rh, 0) & keep
-        if m:
-            masks[rh] = m
-        else:
-            masks.pop(rh, None)
-        alive = m
-        for tier_masks in self._other.values():
-            t = tier_masks.get(rh, 0) & keep
-            if t:
-                tier_masks[rh] = t
-                alive |= t
+        alive = 0
+        for masks in (self._masks, *self._other.values()):
+            m = masks.get(rh, 0) & keep
+            if m:
+                masks[rh] = m
+                alive |= m
             else:
-                tier_masks.pop(rh, None)
-        if not alive and not self._held_elsewhere(rh):
+                masks.pop(rh, None)
+        if not alive:
             self._parent.pop(rh, None)
 
     def _held_elsewhere(self, rh: int) -> bool:
@@ -402,19 +396,10 @@ class PrefixIndex:
         del victim.eng[eh]
         for tier in (DEFAULT_TIER, *self._other):
             victim.copies.pop((eh, tier), None)
-        self._drop_bits_keep_parent(victim, rh)
-        self._unhold(victim, rh)
+        self._unhold(victim, rh)  # while its bits still say who held it
+        self._drop_bits(victim, rh)
         res.evicted_at_bound += 1
         self.evicted_at_bound += 1
-
-    def _drop_bits_keep_parent(self, w: _Worker, rh: int) -> None:
-        keep = ~w.bit
-        for masks in (self._masks, *self._other.values()):
-            m = masks.get(rh, 0) & keep
-            if m:
-                masks[rh] = m
-            else:
-                masks.pop(rh, None)
 
     def _held_any(self, rh: int, bit: int) -> bool:
         if self._masks.get(rh, 0) & bit:
