@@ -95,6 +95,7 @@ class RouterApp:
         self.upstream = UpstreamPool(config.connect_timeout_s, config.request_timeout_s)
         self.forwarder = Forwarder(self.upstream, config.worker_header.lower().encode())
         self.started = False
+        self._file_task: asyncio.Task[None] | None = None  # started in startup()
 
     # ---- ASGI ------------------------------------------------------------------------
 
@@ -145,8 +146,8 @@ class RouterApp:
         )
 
     async def shutdown(self) -> None:
-        if getattr(self, "_file_task", None) is not None:
-            self._file_task.cancel()  # type: ignore[union-attr]
+        if self._file_task is not None:
+            self._file_task.cancel()
         await self.pool.stop()
         self.upstream.close()
         await self.client.aclose()

@@ -164,7 +164,7 @@ class WorkerPool:
     def _add(self, w: WorkerConfig) -> None:
         mode_setting = self.config.worker_mode(w)
         block_size = w.block_size or self.config.block_size or DEFAULT_BLOCK_SIZE
-        health = HealthTracker(w.name, self.clock, grace_s=self.config.event_grace_s)
+        health = self._health(w.name)
         state = WorkerState(
             name=w.name,
             mode=APPROX if mode_setting == APPROX else EVENTS,
@@ -173,6 +173,9 @@ class WorkerPool:
         )
         self.core.add_worker(state, model=self.config.model)
         self.handles[w.name] = WorkerHandle(w, state, mode_setting)
+
+    def _health(self, name: str) -> HealthTracker:
+        return HealthTracker(name, self.clock, grace_s=self.config.event_grace_s)
 
     async def _stop_handle(self, h: WorkerHandle) -> None:
         if h.task is not None:
@@ -330,11 +333,8 @@ class WorkerPool:
         await self._stop_handle(h)
         h.ingest = h.subscriber = h.source = None
         h.problems.clear()
-        self.core.index.clear_worker(h.name)
-        self.core.predictions.forget_worker(h.name)
-        self.core.approx.forget_worker(h.name)
-        assert h.state.health is not None
-        h.state.health = HealthTracker(h.name, self.clock, grace_s=self.config.event_grace_s)
+        self.core.forget_cache(h.name)
+        h.state.health = self._health(h.name)
         await self.discover(h)
 
     async def scrape(self) -> None:

@@ -125,11 +125,16 @@ class RoutingCore:
         self.index.add_worker(state.name, model=model)
 
     def remove_worker(self, name: str) -> None:
+        self.forget_cache(name)
         self.workers.pop(name, None)
         self.index.remove_worker(name)
+        self.load.forget(name)
+
+    def forget_cache(self, name: str) -> None:
+        """Drop everything believed about a worker's cache (exact, predicted, approximate)."""
+        self.index.clear_worker(name)
         self.predictions.forget_worker(name)
         self.approx.forget_worker(name)
-        self.load.forget(name)
 
     # ---- routing ---------------------------------------------------------------------
 
