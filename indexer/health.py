@@ -6,22 +6,23 @@ block the index did not already hold for it); cache hits legitimately publish no
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from enum import Enum
 
 from indexer.clock import Clock
 
-KV_EVENTS_FLAG = "--kv-events-config " + json.dumps(
-    {
-        "enable_kv_cache_events": True,
-        "publisher": "zmq",
-        "endpoint": "tcp://*:5557",
-        "replay_endpoint": "tcp://*:5558",
-        "topic": "kv-events",
-    },
-    separators=(",", ":"),
-)
+
+@dataclass(frozen=True)
+class HealthFixes:
+    """What to tell the operator for each broken state. Engine-specific wording comes from
+    the engine's adapter (`engines.ADAPTERS`); these neutral defaults name no engine."""
+
+    no_events: str = "enable the engine's KV event publisher"
+    stale: str = "check the engine process and its KV event publisher"
+    resync: str = (
+        "none needed if it recurs rarely; frequent resyncs mean lost events: give the "
+        "engine a replay endpoint and a larger event buffer"
+    )
 
 
 class EventHealth(Enum):
@@ -55,12 +56,14 @@ class HealthTracker:
         grace_s: float = 10.0,
         resync_hold_s: float = 30.0,
         endpoint: str | None = None,
+        fixes: HealthFixes | None = None,
     ) -> None:
         self.worker = worker
         self._clock = clock
         self.grace_s = grace_s
         self.resync_hold_s = resync_hold_s
         self.endpoint = endpoint
+        self.fixes = fixes or HealthFixes()
         self._pending_since: float | None = None
         self._pending_requests = 0
         self._ever_stored = False
@@ -105,8 +108,7 @@ class HealthTracker:
                 EventHealth.RESYNCING,
                 f"worker {self.worker} index was rebuilt {now - self._last_resync:.0f} s ago "
                 f"({self._resync_reason}); prefixes cached before then are not visible",
-                "none needed if it recurs rarely; frequent resyncs mean lost events: "
-                "give vLLM a replay_endpoint and raise its hwm/buffer_steps",
+                self.fixes.resync,
                 errors,
             )
         reason = "events flowing" if self._ever_stored else "no requests judged yet"
@@ -120,14 +122,14 @@ class HealthTracker:
                 EventHealth.NO_EVENTS,
                 f"worker {self.worker} published no KV events in {waited:.0f} s after "
                 f"{self._pending_requests} requests",
-                f"start vLLM with {KV_EVENTS_FLAG}{where}",
+                f"{self.fixes.no_events}{where}",
                 errors,
             )
         return HealthReport(
             EventHealth.STALE,
             f"worker {self.worker} stopped publishing KV events: none in {waited:.0f} s after "
             f"{self._pending_requests} requests (the last came {self._age(now)} ago)",
-            f"check the vLLM process and its --kv-events-config publisher{where}",
+            f"{self.fixes.stale}{where}",
             errors,
         )
 

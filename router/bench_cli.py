@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _index(args: argparse.Namespace) -> int:
-    from indexer.bench import run
+    from router.bench.index import run
 
     run(args.json)
     return 0

@@ -17,7 +17,7 @@ from collections.abc import Callable
 _COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("router.serve_cli", "run the KV-aware OpenAI-compatible reverse proxy"),
     "explain": ("router.explain", "show how the running router would score a prompt"),
-    "events": ("indexer.cli", "capture, replay and tail vLLM KV event streams"),
+    "events": ("router.events_cli", "capture, replay and tail vLLM KV event streams"),
     "sim": ("engines.sim.cli", "run one simulated vLLM worker"),
     "fleet": ("engines.sim.fleet", "run N simulated vLLM workers on free loopback ports"),
     "demo": ("router.demo", "run the seeds' experiment on a simulated fleet"),

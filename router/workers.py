@@ -15,6 +15,9 @@ from urllib.parse import urlsplit
 import httpx
 import zmq.asyncio
 
+from engines.base import EngineMetrics, EventSource
+from engines.vllm import ADAPTER as VLLM
+from engines.vllm.discovery import event_sources, parse_metrics
 from engines.vllm.events import decode_batch
 from indexer.clock import Clock
 from indexer.health import EventHealth, HealthTracker
@@ -22,7 +25,6 @@ from indexer.ingest import WorkerIngest
 from indexer.subscriber import EventSubscriber
 from router.core.config import Config, WorkerConfig
 from router.core.picker import APPROX, EVENTS, RoutingCore, WorkerState
-from router.discovery import EngineMetrics, EventSource, event_source, parse_metrics
 from router.tokenize import LocalTokenizer
 
 log = logging.getLogger("kvroute.workers")
@@ -175,7 +177,9 @@ class WorkerPool:
         self.handles[w.name] = WorkerHandle(w, state, mode_setting)
 
     def _health(self, name: str) -> HealthTracker:
-        return HealthTracker(name, self.clock, grace_s=self.config.event_grace_s)
+        return HealthTracker(
+            name, self.clock, grace_s=self.config.event_grace_s, fixes=VLLM.hints.health
+        )
 
     async def _stop_handle(self, h: WorkerHandle) -> None:
         if h.task is not None:
@@ -215,7 +219,8 @@ class WorkerPool:
         except (httpx.HTTPError, ValueError) as exc:
             h.last_error = f"GET /kv_event_sources: {exc}"
             return None
-        src = event_source(doc, url)
+        found = event_sources(doc, url)
+        src = found[0] if found else None
         if src is not None and h.config.topic is not None:
             src = EventSource(src.endpoint, src.replay_endpoint, h.config.topic)
         return src

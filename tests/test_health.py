@@ -1,12 +1,25 @@
 from __future__ import annotations
 
+from engines import ADAPTERS
 from indexer.clock import FakeClock
 from indexer.health import EventHealth, HealthTracker
 
 
 def tracker() -> tuple[HealthTracker, FakeClock]:
     clock = FakeClock()
-    return HealthTracker("w1", clock, grace_s=10, endpoint="tcp://10.0.0.1:5557"), clock
+    fixes = ADAPTERS["vllm"].hints.health
+    t = HealthTracker("w1", clock, grace_s=10, endpoint="tcp://10.0.0.1:5557", fixes=fixes)
+    return t, clock
+
+
+def test_the_neutral_core_names_no_engine() -> None:
+    clock = FakeClock()
+    t = HealthTracker("w1", clock, grace_s=1)
+    t.note_request(expects_new_blocks=True)
+    clock.advance(2)
+    report = t.report()
+    assert report.state is EventHealth.NO_EVENTS
+    assert "vLLM" not in report.fix and "KV event publisher" in report.fix
 
 
 def test_no_requests_is_ok() -> None:

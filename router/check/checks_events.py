@@ -7,7 +7,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from router.check.checks_worker import KV_EVENTS_FLAG, PREFIX_CACHING_FIX
+from engines.vllm.hints import KV_EVENTS_FLAG, PREFIX_CACHING_FIX
 from router.check.context import Context, WorkerFacts
 from router.check.httpio import Fetched
 from router.check.model import Result, failed, passed, warned

@@ -5,15 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
+from engines.vllm.hints import KV_EVENTS_FLAG, PREFIX_CACHING_FIX
 from router.check.context import Context, WorkerFacts
 from router.check.model import Finding, Result, Status, failed, passed, verdict, warned
 from router.check.zmqprobe import Reach, handshake, replay_ping
-
-KV_EVENTS_FLAG = (
-    '--kv-events-config \'{"enable_kv_cache_events":true,"publisher":"zmq",'
-    '"endpoint":"tcp://*:5557","replay_endpoint":"tcp://*:5558","topic":"kv-events"}\''
-)
-PREFIX_CACHING_FIX = "start vLLM with --enable-prefix-caching"
 
 
 async def check_worker(ctx: Context, w: WorkerFacts) -> Result:

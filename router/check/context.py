@@ -13,9 +13,10 @@ from urllib.parse import urlsplit
 import httpx
 import zmq.asyncio
 
+from engines.base import EngineMetrics, EventSource
+from engines.vllm.discovery import event_sources, parse_metrics
 from router.check.httpio import Fetched, fetch
 from router.check.zmqprobe import Observation, Reach
-from router.discovery import EngineMetrics, EventSource, event_source, parse_metrics
 
 WORKER_HEADER = "x-kvroute-worker"
 T = TypeVar("T")
@@ -138,7 +139,8 @@ class WorkerFacts:
         """The publisher the engine names in GET /kv_event_sources, made dialable."""
         if self.sources is None or not self.sources.ok:
             return None
-        return event_source(self.sources.body, self.url)
+        found = event_sources(self.sources.body, self.url)
+        return found[0] if found else None
 
     @property
     def mode_setting(self) -> str | None:

@@ -1,41 +1,59 @@
-"""What a worker tells us about itself over HTTP: its KV event publisher, its cache config,
-its load, its models. Parsing only; the calls live in `router.workers`."""
+"""What a vLLM worker tells us about itself over HTTP: its KV event publishers and its
+cache config and load (`/metrics`). Parsing only; the calls live in `router.workers`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 from prometheus_client.parser import text_string_to_metric_families
 
-
-@dataclass(frozen=True)
-class EventSource:
-    endpoint: str
-    replay_endpoint: str | None
-    topic: str
+from engines.base import EngineMetrics, EventSource
 
 
-def event_source(doc: Any, worker_url: str) -> EventSource | None:
-    """Rank 0's publisher from vLLM's `GET /kv_event_sources` ({rank: KVEventsConfig});
-    None when the engine publishes nothing. `*`/`0.0.0.0` bind addresses mean the worker's host."""
-    if not isinstance(doc, dict) or not doc:
+def event_sources(doc: Any, worker_url: str) -> list[EventSource]:
+    """One publisher per data-parallel rank from `GET /kv_event_sources`: vLLM 0.32 answers
+    `{rank: KVEventsConfig}`, later versions a list of `{data_parallel_rank, endpoint,
+    replay_endpoint, topic}`. Empty when the engine publishes nothing. `*`/`0.0.0.0` bind
+    addresses mean the worker's host."""
+    if isinstance(doc, list):
+        entries = [
+            (e.get("data_parallel_rank", i), e) for i, e in enumerate(doc) if isinstance(e, dict)
+        ]
+    elif isinstance(doc, dict):
+        entries = list(doc.items())
+    else:
+        return []
+    host = urlsplit(worker_url).hostname or "127.0.0.1"
+    out = []
+    for raw_rank, cfg in entries:
+        source = _source(cfg, host, _rank(raw_rank))
+        if source is not None:
+            out.append(source)
+    return sorted(out, key=lambda s: s.rank)
+
+
+def _rank(raw: Any) -> int:
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _source(cfg: Any, host: str, rank: int) -> EventSource | None:
+    if not isinstance(cfg, dict) or cfg.get("enable_kv_cache_events") is False:
         return None
-    cfg = doc.get("0", doc.get(0))
-    if cfg is None:
-        cfg = next(iter(doc.values()))
-    if not isinstance(cfg, dict) or not cfg.get("enable_kv_cache_events"):
+    if "endpoint" not in cfg and not cfg.get("enable_kv_cache_events"):
         return None
     if cfg.get("publisher") not in ("zmq", None):
         return None
-    host = urlsplit(worker_url).hostname or "127.0.0.1"
     endpoint = _connectable(str(cfg.get("endpoint") or "tcp://*:5557"), host)
     replay = cfg.get("replay_endpoint")
     return EventSource(
         endpoint=endpoint,
         replay_endpoint=_connectable(str(replay), host) if replay else None,
         topic=str(cfg.get("topic") or ""),
+        rank=rank,
     )
 
 
@@ -48,19 +66,6 @@ def _connectable(endpoint: str, host: str) -> str:
     if bind_host in ("*", "0.0.0.0", "", "[::]", "::"):
         bind_host = f"[{host}]" if ":" in host else host
     return f"tcp://{bind_host}:{port}"
-
-
-@dataclass(frozen=True)
-class EngineMetrics:
-    running: float = 0.0
-    waiting: float = 0.0
-    kv_usage: float | None = None
-    block_size: int | None = None
-    num_gpu_blocks: int | None = None
-    prefix_caching: bool | None = None
-    hash_algo: str | None = None
-    prefix_queries: float | None = None
-    prefix_hits: float | None = None
 
 
 def parse_metrics(text: str) -> EngineMetrics:

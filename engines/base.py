@@ -1,0 +1,58 @@
+"""What the router needs from an engine, whatever the engine: the types its adapter fills in
+and the adapter itself. One adapter per engine lives under `engines/<name>/`; the table of
+them is `engines.ADAPTERS`. The neutral core (`indexer/`, `router/core/`) never names an
+engine: wording such as "start vLLM with ..." comes from here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from indexer.events import EventBatch
+from indexer.health import HealthFixes
+
+
+@dataclass(frozen=True)
+class EventSource:
+    """Where one engine (one data-parallel rank) publishes its KV events."""
+
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str
+    rank: int = 0
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float | None = None
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    prefix_caching: bool | None = None
+    hash_algo: str | None = None
+    prefix_queries: float | None = None
+    prefix_hits: float | None = None
+
+
+@dataclass(frozen=True)
+class EngineHints:
+    """Operator-facing fixes, in the engine's own flags."""
+
+    health: HealthFixes
+    events_missing: str  # "{url}" is the worker's URL
+    prefix_caching_off: str
+    block_size_mismatch: str  # "{configured}" and "{reported}" are filled in
+    tokenizer_mismatch: str
+
+
+@dataclass(frozen=True)
+class EngineAdapter:
+    name: str
+    decode_batch: Callable[[bytes], EventBatch]
+    # GET /kv_event_sources (or the engine's equivalent) -> one source per data-parallel rank
+    event_sources: Callable[[Any, str], list[EventSource]]
+    event_sources_path: str
+    parse_metrics: Callable[[str], EngineMetrics]
+    hints: EngineHints
