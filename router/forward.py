@@ -126,7 +126,7 @@ class Forwarder:
                 worker, response, send, headers, outcome, on_first_byte
             )
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
-        sniffer = _UsageSniffer()
+        sniffer = UsageSniffer()
         first = True
         try:
             async for chunk in response.chunks():
@@ -182,7 +182,7 @@ def cached_tokens_of(body: bytes) -> int | None:
     return value if isinstance(value, int) else None
 
 
-class _UsageSniffer:
+class UsageSniffer:
     """Finds the usage chunk of an SSE stream (stream_options.include_usage) without parsing
     the rest."""
 

@@ -1,0 +1,71 @@
+"""`kvroute serve` flags for the ext_proc picker. serve_cli calls `add_arguments(parser)` when
+it builds its parser and `server_from_args(args, svc)` once the decision service exists:
+
+    --ext-proc-port P            also serve Envoy's ExternalProcessor (gRPC) on P
+    --ext-proc-host H            its listen address (default: the proxy's --host)
+    --no-proxy                   the picker alone: no HTTP proxy port
+    --ext-proc-tls-cert F --ext-proc-tls-key F [--ext-proc-tls-ca F]   TLS, mTLS with a CA
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from router.core.errors import ConfigError
+from router.extproc.server import ExtProcServer, TlsFiles
+from router.routing import DecisionService
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("Envoy ext_proc endpoint picker")
+    g.add_argument(
+        "--ext-proc-port",
+        type=int,
+        metavar="P",
+        help="also serve Envoy's ext_proc ExternalProcessor (GIE endpoint picker) on gRPC "
+        "port P; `kvroute envoy-config` writes the matching Envoy bootstrap",
+    )
+    g.add_argument(
+        "--ext-proc-host", metavar="H", help="listen address of the picker (default: --host)"
+    )
+    g.add_argument(
+        "--no-proxy",
+        action="store_true",
+        help="run the picker alone, without the HTTP proxy (needs --ext-proc-port)",
+    )
+    g.add_argument("--ext-proc-tls-cert", type=Path, metavar="F", help="server certificate (PEM)")
+    g.add_argument("--ext-proc-tls-key", type=Path, metavar="F", help="its private key (PEM)")
+    g.add_argument(
+        "--ext-proc-tls-ca",
+        type=Path,
+        metavar="F",
+        help="CA (PEM) that client certificates must chain to: mutual TLS",
+    )
+
+
+def tls_from_args(args: argparse.Namespace) -> TlsFiles | None:
+    cert, key, ca = args.ext_proc_tls_cert, args.ext_proc_tls_key, args.ext_proc_tls_ca
+    if cert is None and key is None:
+        if ca is not None:
+            raise ConfigError("--ext-proc-tls-ca needs --ext-proc-tls-cert and --ext-proc-tls-key")
+        return None
+    if cert is None or key is None:
+        raise ConfigError("--ext-proc-tls-cert and --ext-proc-tls-key go together")
+    return TlsFiles(cert, key, ca)
+
+
+def server_from_args(args: argparse.Namespace, svc: DecisionService) -> ExtProcServer | None:
+    """The picker the flags ask for (None without --ext-proc-port); bad combinations stop
+    start-up with a ConfigError naming the flag."""
+    port = args.ext_proc_port
+    if port is None:
+        if args.no_proxy:
+            raise ConfigError("--no-proxy runs the ext_proc picker alone: add --ext-proc-port")
+        if tls_from_args(args) is not None:
+            raise ConfigError("--ext-proc-tls-* given without --ext-proc-port")
+        return None
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--ext-proc-port {port}: a TCP port is 0..65535")
+    host = args.ext_proc_host or getattr(args, "host", None) or "0.0.0.0"
+    return ExtProcServer(svc, host, port, tls=tls_from_args(args))

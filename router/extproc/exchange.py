@@ -1,0 +1,184 @@
+"""One HTTP request as Envoy's ext_proc filter shows it to the picker: request headers, body,
+response headers, response body, on one gRPC stream. The exchange decides where the request
+goes (the same decision service the HTTP proxy calls) and accounts for its load until the
+response ends. It never forwards bytes: Envoy does.
+
+Body modes (Envoy's `processing_mode.request_body_mode`, told in `protocol_config`):
+- BUFFERED: the body arrives whole after the headers were answered; the decision rides on
+  the body answer.
+- FULL_DUPLEX_STREAMED (GIE's): headers and body chunks arrive without waiting; the headers
+  answer (with the decision) is deferred until the body's end, then the body is handed back
+  in chunks of at most 62 KB.
+Response bodies are only read (STREAMED) or handed back as they come (FULL_DUPLEX_STREAMED).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from router.core.errors import KvrouteError, NoWorkerAvailable
+from router.extproc import gie
+from router.forward import UsageSniffer, cached_tokens_of
+from router.openai_req import RoutingInput, parse
+from router.routing import Constraints, DecisionService
+
+log = logging.getLogger("kvroute.extproc")
+
+DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+# Ordered fallbacks sent to the gateway: enough for the retries a gateway makes.
+MAX_FALLBACKS = 4
+# JSON responses are kept only to read usage.cached_tokens; a larger one is not usage-bearing.
+MAX_KEPT_RESPONSE = 1 << 20
+WORKER_HEADER = "x-kvroute-worker"
+Responses = list[gie.ProcessingResponse]
+_encode = msgspec.json.encode
+
+
+class Exchange:
+    """The state of one gRPC stream; `handle` answers each message Envoy sends."""
+
+    def __init__(self, svc: DecisionService) -> None:
+        self.svc = svc
+        self.duplex_request = False
+        self.duplex_response = False
+        self.kind: str | None = None
+        self.subset: frozenset[str] | None = None
+        self.decided = False
+        self.body: list[bytes] = []
+        self.worker: str | None = None
+        self.ticket: Any = None
+        self.status = 0
+        self.streaming = False
+        self.first = True
+        self.sniffer = UsageSniffer()
+        self.kept: list[bytes] = []
+        self.kept_bytes = 0
+
+    async def handle(self, req: gie.ProcessingRequest) -> Responses:
+        which = req.WhichOneof("request")
+        if which == "request_headers":
+            return await self._request_headers(req)
+        if which == "request_body":
+            return await self._request_body(req.request_body)
+        if which == "response_headers":
+            return self._response_headers(req)
+        if which == "response_body":
+            return self._response_body(req.response_body)
+        return [gie.passthrough(which)] if which else []
+
+    # ---- request ------------------------------------------------------------------------
+
+    async def _request_headers(self, req: gie.ProcessingRequest) -> Responses:
+        cfg = req.protocol_config
+        self.duplex_request = cfg.request_body_mode == DUPLEX
+        self.duplex_response = cfg.response_body_mode == DUPLEX
+        self.subset = gie.subset_of(req)
+        headers = gie.headers_of(req.request_headers)
+        method = headers.get(":method", "GET")
+        path = headers.get(":path", "/").split("?", 1)[0]
+        if method == "GET" and path == "/v1/models":
+            return [gie.immediate(200, _encode(self.svc.models_doc()))]
+        self.kind = self.svc.route_path(path) if method == "POST" else None
+        if self.kind is None or req.request_headers.end_of_stream:
+            # body-less or not prompt-bearing: any healthy worker, by load
+            return await self._decide(RoutingInput.bodyless(), "request_headers", b"")
+        return [] if self.duplex_request else [gie.passthrough("request_headers")]
+
+    async def _request_body(self, msg: Any) -> Responses:
+        if self.decided:  # the body of a request decided on its headers
+            if self.duplex_request:
+                return [gie.streamed_body(msg.body, end=msg.end_of_stream)]
+            return [gie.passthrough("request_body")]
+        self.body.append(msg.body)
+        if not msg.end_of_stream:
+            return []  # FULL_DUPLEX_STREAMED: more chunks follow
+        body = b"".join(self.body)
+        self.body = []
+        assert self.kind is not None
+        try:
+            rin = parse(self.kind, body)
+        except KvrouteError as exc:
+            return [_error(exc)]
+        phase = "request_headers" if self.duplex_request else "request_body"
+        return await self._decide(rin, phase, body)
+
+    async def _decide(self, rin: RoutingInput, phase: str, body: bytes) -> Responses:
+        try:
+            endpoints = await self._pick(rin)
+        except KvrouteError as exc:
+            return [_error(exc)]
+        self.decided = True
+        out = [gie.decision(endpoints, phase=phase)]
+        if self.duplex_request and phase == "request_headers" and body:
+            out += gie.streamed_chunks(body)
+        return out
+
+    async def _pick(self, rin: RoutingInput) -> list[str]:
+        decision = await self.svc.decide(rin, constraints=Constraints(subset=self.subset))
+        ranked = [s.worker for s in decision.ranked[:MAX_FALLBACKS]]
+        if not ranked:
+            raise NoWorkerAvailable("no eligible worker for this request")
+        self.worker = ranked[0]
+        self.ticket = self.svc.start(decision, self.worker)
+        return [self.svc.address_of(w) for w in ranked]
+
+    # ---- response: load accounting only ---------------------------------------------------
+
+    def _response_headers(self, req: gie.ProcessingRequest) -> Responses:
+        headers = gie.headers_of(req.response_headers)
+        self.status = int(headers.get(":status", "0") or 0)
+        self.streaming = headers.get("content-type", "").startswith("text/event-stream")
+        served = gie.served_of(req)
+        worker = self.svc.worker_at(served) if served else None
+        if self.ticket is not None and worker is not None and worker != self.worker:
+            self.ticket = self.svc.reassign(self.ticket, worker)
+            self.worker = worker
+        if req.response_headers.end_of_stream:
+            self._finish(None)
+        if self.worker is None:
+            return [gie.passthrough("response_headers")]
+        return [gie.with_headers("response_headers", [(WORKER_HEADER, self.worker)])]
+
+    def _response_body(self, msg: Any) -> Responses:
+        if self.ticket is not None:
+            self._account(msg.body, msg.end_of_stream)
+        if self.duplex_response:
+            return [gie.streamed_body(msg.body, end=msg.end_of_stream, phase="response_body")]
+        return [gie.passthrough("response_body")]
+
+    def _account(self, chunk: bytes, end: bool) -> None:
+        if self.first and chunk:
+            self.first = False
+            self.svc.first_token(self.ticket)
+        if self.streaming:
+            self.sniffer.feed(chunk)
+        elif self.kept_bytes + len(chunk) <= MAX_KEPT_RESPONSE:
+            self.kept.append(chunk)
+            self.kept_bytes += len(chunk)
+        if end:
+            cached = (
+                self.sniffer.cached_tokens if self.streaming else cached_tokens_of(b"".join(self.kept))
+            )
+            self._finish(cached)
+
+    def _finish(self, cached_tokens: int | None) -> None:
+        if self.ticket is None:
+            return
+        ticket, self.ticket = self.ticket, None
+        self.svc.finish(ticket, status=self.status, cached_tokens=cached_tokens)
+
+    def close(self) -> None:
+        """The stream ended: a request still counted was abandoned (client gone, upstream
+        reset, gateway gave up)."""
+        if self.ticket is not None:
+            self.status = self.status or 499
+            self._finish(None)
+
+
+def _error(exc: KvrouteError) -> gie.ProcessingResponse:
+    log.debug("immediate %d: %s", exc.status, exc.message)
+    return gie.immediate(exc.status, _encode(exc.body()), details=type(exc).__name__)

@@ -1,0 +1,141 @@
+"""The ext_proc gRPC server: Envoy's ExternalProcessor service plus gRPC health, on one port,
+inside `kvroute serve`'s process (same index, same load, same decision service as the proxy).
+
+    server = ExtProcServer(svc, "0.0.0.0", 9002, tls=TlsFiles(cert, key, ca))
+    await server.start()      # binds; server.port is the real port (0 picks a free one)
+    ...
+    await server.stop()
+
+Health answers for "" and "liveness" (the process can decide at all: svc.live) and for
+"readiness" and the ExternalProcessor service name (a worker can take traffic: svc.ready);
+Envoy health-checks the latter so that failure-mode open skips a picker that is not ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from router.core.errors import ConfigError
+from router.extproc import gie
+from router.extproc.exchange import Exchange
+from router.routing import DecisionService
+
+log = logging.getLogger("kvroute.extproc")
+
+LIVENESS = ("", "liveness")
+READINESS = ("readiness", gie.SERVICE_NAME)
+HEALTH_POLL_S = 0.5
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """Server certificate and key (PEM); with `ca`, clients must present a certificate
+    signed by it (mutual TLS, as gateways run ext_proc)."""
+
+    cert: Path
+    key: Path
+    ca: Path | None = None
+
+    def credentials(self) -> grpc.ServerCredentials:
+        try:
+            pair = (self.key.read_bytes(), self.cert.read_bytes())
+            ca = self.ca.read_bytes() if self.ca is not None else None
+        except OSError as exc:
+            raise ConfigError(f"--ext-proc-tls-*: cannot read {exc.filename}: {exc.strerror}")
+        return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=bool(ca))
+
+
+class _Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    def __init__(self, svc: DecisionService) -> None:
+        self.svc = svc
+
+    async def Process(  # noqa: N802 (the gRPC method name)
+        self, requests: AsyncIterator[gie.ProcessingRequest], context: Any
+    ) -> AsyncIterator[gie.ProcessingResponse]:
+        exchange = Exchange(self.svc)
+        try:
+            async for req in requests:
+                for resp in await exchange.handle(req):
+                    yield resp
+        finally:
+            exchange.close()
+
+
+class ExtProcServer:
+    """Owns the gRPC server and the task that mirrors svc.live / svc.ready into health."""
+
+    def __init__(
+        self,
+        svc: DecisionService,
+        host: str = "0.0.0.0",
+        port: int = 9002,
+        *,
+        tls: TlsFiles | None = None,
+    ) -> None:
+        self.svc = svc
+        self.host = host
+        self.port = port
+        self.tls = tls
+        self.health = health_aio.HealthServicer()
+        self._published: dict[str, int] = {}
+        self._server: grpc.aio.Server | None = None
+        self._health_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_ExternalProcessorServicer_to_server(_Processor(self.svc), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        address = f"{self.host}:{self.port}"
+        if self.tls is not None:
+            bound = server.add_secure_port(address, self.tls.credentials())
+        else:
+            bound = server.add_insecure_port(address)
+        if not bound:
+            raise ConfigError(f"--ext-proc-port: cannot listen on {address}")
+        self.port = bound
+        await self._publish_health()
+        await server.start()
+        self._server = server
+        self._health_task = asyncio.create_task(self._health_loop(), name="extproc-health")
+        log.info("ext_proc picker on %s:%d%s", self.host, bound, " (TLS)" if self.tls else "")
+
+    async def stop(self, grace_s: float = 5.0) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None
+        if self._server is not None:
+            await self.health.enter_graceful_shutdown()
+            await self._server.stop(grace_s)
+            self._server = None
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_POLL_S)
+            try:
+                await self._publish_health()
+            except Exception:  # the loop must outlive a bad moment of the service
+                log.exception("ext_proc health update failed")
+
+    async def _publish_health(self) -> None:
+        for names, ok in ((LIVENESS, self.svc.live), (READINESS, self.svc.ready)):
+            status = health_pb2.HealthCheckResponse.SERVING if ok else _NOT_SERVING
+            for name in names:
+                if self._published.get(name) != status:
+                    self._published[name] = status
+                    await self.health.set(name, status)
+
+
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
