@@ -1,0 +1,1 @@
+"""kvroute behind Envoy: the bootstrap it needs (`kvroute envoy-config`) and Envoy as a child process."""

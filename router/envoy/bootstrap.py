@@ -1,0 +1,335 @@
+"""An Envoy 1.40 bootstrap that puts kvroute's ext_proc picker in front of a vLLM fleet.
+
+What it wires, and why:
+- `override_host` load balancing on the worker cluster, reading the pick from the dynamic
+  metadata `envoy.lb / x-gateway-destination-endpoint` (never from a request header, so a
+  client cannot steer even if a header slipped through): only cluster members are reachable
+  (no ORIGINAL_DST SSRF hole), the comma-separated fallbacks are tried in order on connect
+  failures (the route's retries), and round robin serves when there is no pick.
+- The client's routing headers are removed before ext_proc runs (header_mutation filter).
+- failure mode open: `failure_mode_allow` plus a gRPC-health-checked picker cluster with a 0 %
+  panic threshold, so that a dead or unready picker is skipped at once (round robin) instead
+  of costing each request a timeout. It needs BUFFERED bodies: a FULL_DUPLEX_STREAMED body
+  already sent to a dead picker cannot be recovered (DESIGN.md section 5).
+- The served endpoint goes back to the picker as the response header
+  `x-gateway-destination-endpoint-served` (%UPSTREAM_HOST%), which it reads for load
+  accounting.
+- Body-size limit = the connection buffer limit (Envoy answers 413 above it); no overall
+  route timeout (generations take minutes) but an idle timeout per stream.
+- Workers that join later: a hostname worker (a headless Service) makes the cluster
+  STRICT_DNS, re-resolved every 5 s; with `eds_path` the cluster reads its members from a
+  file Envoy watches (rewrite it with `write_eds`, atomically) -- no restart either way.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+
+from router.core.errors import ConfigError
+
+WORKERS = "kvroute_workers"
+PICKER = "kvroute_picker"
+DEST = "x-gateway-destination-endpoint"
+SERVED = "x-gateway-destination-endpoint-served"
+CLIENT_ROUTING_HEADERS = (DEST, "x-gateway-destination-endpoint-subset", SERVED)
+PICKER_HEALTH_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+T = "type.googleapis.com/"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+
+    @property
+    def is_ip(self) -> bool:
+        try:
+            ipaddress.ip_address(self.host)
+        except ValueError:
+            return False
+        return True
+
+    def address(self) -> dict[str, Any]:
+        return {"socket_address": {"address": self.host, "port_value": self.port}}
+
+
+def parse_worker(url: str) -> Endpoint:
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    if parts.scheme != "http" or not parts.hostname:
+        raise ConfigError(f"--worker {url!r}: give http://HOST:PORT (TLS to workers: not yet)")
+    return Endpoint(parts.hostname, parts.port or 80)
+
+
+def parse_hostport(value: str, flag: str) -> Endpoint:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"{flag} {value!r}: give HOST:PORT")
+    return Endpoint(host.strip("[]"), int(port))
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    listen_port: int
+    ext_proc: Endpoint
+    workers: tuple[Endpoint, ...]
+    body_mode: str = "buffered"  # buffered | full-duplex
+    failure_mode: str = "close"  # open | close
+    admin_port: int | None = None
+    listen_host: str = "0.0.0.0"
+    max_body_bytes: int = 32 * 1024 * 1024
+    message_timeout_s: float = 2.0
+    stream_idle_timeout_s: int = 300
+    picker_health_interval_s: float = 1.0
+    fallback_retries: int = 3
+    eds_path: Path | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> GatewayConfig:
+        if self.body_mode not in ("buffered", "full-duplex"):
+            raise ConfigError(f"--body-mode {self.body_mode!r}: buffered or full-duplex")
+        if self.failure_mode not in ("open", "close"):
+            raise ConfigError(f"--failure-mode {self.failure_mode!r}: open or close")
+        if self.failure_mode == "open" and self.body_mode != "buffered":
+            raise ConfigError(
+                "--failure-mode open needs --body-mode buffered: with full-duplex bodies a "
+                "request whose body went to a dead picker cannot fail open (DESIGN.md 5)"
+            )
+        if not self.workers and self.eds_path is None:
+            raise ConfigError("give at least one --worker (or --eds-file)")
+        return self
+
+
+def bootstrap(cfg: GatewayConfig) -> dict[str, Any]:
+    cfg.validate()
+    doc: dict[str, Any] = {
+        "node": {"id": "kvroute-gateway", "cluster": "kvroute"},
+        "static_resources": {
+            "listeners": [_listener(cfg)],
+            "clusters": [_workers_cluster(cfg), _picker_cluster(cfg)],
+        },
+    }
+    if cfg.admin_port is not None:
+        doc["admin"] = {"address": Endpoint("127.0.0.1", cfg.admin_port).address()}
+    return doc
+
+
+def render(cfg: GatewayConfig) -> str:
+    return yaml.safe_dump(bootstrap(cfg), sort_keys=False)
+
+
+def _listener(cfg: GatewayConfig) -> dict[str, Any]:
+    hcm = {
+        "@type": T + "envoy.extensions.filters.network.http_connection_manager.v3."
+        "HttpConnectionManager",
+        "stat_prefix": "kvroute",
+        "codec_type": "AUTO",
+        "stream_idle_timeout": f"{cfg.stream_idle_timeout_s}s",
+        "request_timeout": "0s",
+        "route_config": _routes(cfg),
+        "http_filters": [_strip_filter(), _ext_proc_filter(cfg), _router_filter()],
+    }
+    return {
+        "name": "kvroute_gateway",
+        "address": Endpoint(cfg.listen_host, cfg.listen_port).address(),
+        "per_connection_buffer_limit_bytes": cfg.max_body_bytes,
+        "filter_chains": [
+            {
+                "filters": [
+                    {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
+                ]
+            }
+        ],
+    }
+
+
+def _routes(cfg: GatewayConfig) -> dict[str, Any]:
+    route = {
+        "cluster": WORKERS,
+        "timeout": "0s",  # a long generation is not an error
+        "idle_timeout": f"{cfg.stream_idle_timeout_s}s",  # a stalled one is
+        "retry_policy": {
+            # each retry takes the next endpoint of the picker's ordered fallback list
+            "retry_on": "connect-failure,refused-stream,reset-before-request",
+            "num_retries": cfg.fallback_retries,
+            "retry_back_off": {"base_interval": "0.005s", "max_interval": "0.05s"},
+        },
+    }
+    served = {
+        "header": {"key": SERVED, "value": "%UPSTREAM_HOST%"},
+        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+    }
+    return {
+        "name": "kvroute",
+        "virtual_hosts": [
+            {
+                "name": "fleet",
+                "domains": ["*"],
+                "routes": [{"match": {"prefix": "/"}, "route": route}],
+                "response_headers_to_add": [served],
+            }
+        ],
+    }
+
+
+def _strip_filter() -> dict[str, Any]:
+    return {
+        "name": "kvroute.strip_client_routing_headers",
+        "typed_config": {
+            "@type": T + "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
+            "mutations": {"request_mutations": [{"remove": h} for h in CLIENT_ROUTING_HEADERS]},
+        },
+    }
+
+
+def _ext_proc_filter(cfg: GatewayConfig) -> dict[str, Any]:
+    duplex = cfg.body_mode == "full-duplex"
+    mode = {
+        "request_header_mode": "SEND",
+        "response_header_mode": "SEND",
+        "request_body_mode": "FULL_DUPLEX_STREAMED" if duplex else "BUFFERED",
+        # response bodies are only read (first token, usage), never changed
+        "response_body_mode": "FULL_DUPLEX_STREAMED" if duplex else "STREAMED",
+        "request_trailer_mode": "SEND" if duplex else "SKIP",
+        "response_trailer_mode": "SEND" if duplex else "SKIP",
+    }
+    return {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": T + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": PICKER}},
+            "failure_mode_allow": cfg.failure_mode == "open",
+            "message_timeout": f"{cfg.message_timeout_s}s",
+            "processing_mode": mode,
+            "metadata_options": {
+                "receiving_namespaces": {"untyped": ["envoy.lb"]},
+                "forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]},
+            },
+        },
+    }
+
+
+def _router_filter() -> dict[str, Any]:
+    return {
+        "name": "envoy.filters.http.router",
+        "typed_config": {
+            "@type": T + "envoy.extensions.filters.http.router.v3.Router",
+            "suppress_envoy_headers": True,
+        },
+    }
+
+
+def _override_host_policy() -> dict[str, Any]:
+    round_robin = {
+        "typed_extension_config": {
+            "name": "envoy.load_balancing_policies.round_robin",
+            "typed_config": {
+                "@type": T + "envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
+            },
+        }
+    }
+    override = {
+        "@type": T + "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+        "override_host_sources": [{"metadata": {"key": "envoy.lb", "path": [{"key": DEST}]}}],
+        "fallback_policy": {"policies": [round_robin]},
+    }
+    return {
+        "policies": [
+            {
+                "typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.override_host",
+                    "typed_config": override,
+                }
+            }
+        ]
+    }
+
+
+def _workers_cluster(cfg: GatewayConfig) -> dict[str, Any]:
+    cluster: dict[str, Any] = {
+        "name": WORKERS,
+        "connect_timeout": "2s",
+        "per_connection_buffer_limit_bytes": cfg.max_body_bytes,
+        "load_balancing_policy": _override_host_policy(),
+    }
+    if cfg.eds_path is not None:
+        folder = str(cfg.eds_path.resolve().parent)
+        cluster["type"] = "EDS"
+        cluster["eds_cluster_config"] = {
+            "eds_config": {
+                "resource_api_version": "V3",
+                "path_config_source": {
+                    "path": str(cfg.eds_path.resolve()),
+                    "watched_directory": {"path": folder},
+                },
+            }
+        }
+        return cluster
+    dns = not all(w.is_ip for w in cfg.workers)
+    cluster["type"] = "STRICT_DNS" if dns else "STATIC"
+    if dns:
+        cluster["dns_refresh_rate"] = "5s"
+        cluster["respect_dns_ttl"] = False
+    cluster["load_assignment"] = load_assignment(WORKERS, cfg.workers)
+    return cluster
+
+
+def load_assignment(name: str, endpoints: tuple[Endpoint, ...]) -> dict[str, Any]:
+    return {
+        "cluster_name": name,
+        "endpoints": [{"lb_endpoints": [{"endpoint": {"address": e.address()}} for e in endpoints]}],
+    }
+
+
+def _picker_cluster(cfg: GatewayConfig) -> dict[str, Any]:
+    interval = f"{cfg.picker_health_interval_s}s"
+    return {
+        "name": PICKER,
+        "type": "STATIC" if cfg.ext_proc.is_ip else "STRICT_DNS",
+        "connect_timeout": "1s",
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        },
+        "load_assignment": load_assignment(PICKER, (cfg.ext_proc,)),
+        # an unhealthy picker is skipped at once, not tried ("panic" would still try it)
+        "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
+        "health_checks": [
+            {
+                "timeout": "1s",
+                "interval": interval,
+                "no_traffic_interval": interval,
+                "unhealthy_threshold": 1,
+                "healthy_threshold": 1,
+                "grpc_health_check": {"service_name": PICKER_HEALTH_SERVICE},
+            }
+        ],
+    }
+
+
+def eds_document(endpoints: tuple[Endpoint, ...]) -> dict[str, Any]:
+    """The file-based EDS answer Envoy reads for the worker cluster (with eds_path)."""
+    assignment = {
+        "@type": T + "envoy.config.endpoint.v3.ClusterLoadAssignment",
+        **load_assignment(WORKERS, endpoints),
+    }
+    return {"version_info": str(len(endpoints)), "resources": [assignment]}
+
+
+def write_eds(path: Path, endpoints: tuple[Endpoint, ...]) -> None:
+    """Replace the worker list Envoy watches: write aside, then rename into place (Envoy
+    reacts to the move; a file edited in place could be read half-written)."""
+    path = path.resolve()
+    fd, tmp = tempfile.mkstemp(prefix=".eds-", suffix=".yaml", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump(eds_document(endpoints), f, sort_keys=False)
+    os.replace(tmp, path)
