@@ -8,6 +8,7 @@ passing a factory that builds it for the fleet -- nothing else changes."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
@@ -19,17 +20,16 @@ import httpx
 
 import extproc_standin
 from engines.sim.config import SimConfig
-from engines.sim.fleet import Fleet, run_fleet
-from engines.sim.latency import LatencyModel
-from router.envoy.bootstrap import Endpoint, GatewayConfig, parse_worker
+from router.envoy.bootstrap import Endpoint, GatewayConfig, bootstrap, parse_worker
 from router.envoy.process import EnvoyProcess
-from router.procs import free_port
+from router.procs import FleetProcess, free_port
 
 extproc_standin.install()
 
 from router.extproc.server import ExtProcServer  # noqa: E402  (after the stand-in)
 
-FAST = LatencyModel(ttft_base_ms=1.0, decode_ms_per_step=1.0)
+# the fleet runs in its own process: the picker's event loop must not wait on the engines
+FAST = ["--ttft-base-ms", "1", "--decode-ms-per-step", "1"]
 MODEL = SimConfig().model
 MakeService = Callable[[list[str]], Any]
 
@@ -40,19 +40,33 @@ def standin_service(addresses: list[str]) -> Any:
 
 @dataclass
 class Gateway:
-    fleet: Fleet
+    fleet: FleetProcess
+    prints: dict[str, str]  # system_fingerprint -> worker address
     svc: Any
     picker: ExtProcServer | None
     envoy: EnvoyProcess
     client: httpx.AsyncClient
+    picker_port: int = 0
 
     @property
     def addresses(self) -> list[str]:
         return [address(u) for u in self.fleet.urls]
 
-    def fingerprints(self) -> dict[str, str]:
-        """system_fingerprint -> worker address: where a response really came from."""
-        return {w.fingerprint: address(w.url) for w in self.fleet.workers}
+
+    async def kill_picker(self) -> None:
+        """The picker goes away (its port closes); Envoy finds out by itself."""
+        assert self.picker is not None
+        self.picker_port = self.picker.port
+        await self.picker.stop(0)
+        self.picker = None
+
+    async def revive_picker(self) -> None:
+        self.picker = ExtProcServer(
+            self.svc, "127.0.0.1", self.picker_port, max_body_bytes=self.envoy.cfg.max_body_bytes
+        )
+        await self.picker.start()
+        if self.envoy.cfg.failure_mode == "open":
+            await wait_cluster(self.envoy, "kvroute_picker", healthy=True)
 
     async def complete(self, prompt: str, **extra: Any) -> httpx.Response:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, **extra}
@@ -66,7 +80,7 @@ def address(url: str) -> str:
 
 def served_by(gw: Gateway, resp: httpx.Response) -> str | None:
     """The worker whose engine produced this response (JSON or SSE)."""
-    fps = gw.fingerprints()
+    fps = gw.prints
     text = resp.text
     if text.startswith("data:") or "\ndata:" in text:
         for line in text.splitlines():
@@ -85,14 +99,19 @@ async def gateway(
     make_service: MakeService = standin_service,
     extra_endpoints: tuple[Endpoint, ...] = (),
     eds_path: Path | None = None,
+    max_body_bytes: int = 32 * 1024 * 1024,
+    message_timeout_s: float = 5.0,
+    tweak: Callable[[dict[str, Any]], None] | None = None,
     timeout_s: float = 30.0,
 ) -> AsyncIterator[Gateway]:
     """Fleet + picker + Envoy; `extra_endpoints` are cluster members that are not in the
-    fleet (e.g. a port nobody listens on, for the fallback test)."""
-    async with run_fleet(workers, SimConfig(latency=FAST, model=MODEL)) as fleet:
+    fleet (e.g. a port nobody listens on, for the fallback test); `tweak` edits the rendered
+    bootstrap before Envoy starts."""
+    with FleetProcess(workers, extra=FAST) as fleet:
+        prints = await _fingerprints(fleet.urls)
         members = tuple(parse_worker(u) for u in fleet.urls) + extra_endpoints
         svc = make_service([f"{e.host}:{e.port}" for e in members])
-        picker = ExtProcServer(svc, "127.0.0.1", 0)
+        picker = ExtProcServer(svc, "127.0.0.1", 0, max_body_bytes=max_body_bytes)
         await picker.start()
         try:
             cfg = GatewayConfig(
@@ -105,34 +124,74 @@ async def gateway(
                 listen_host="127.0.0.1",
                 eds_path=eds_path,
                 picker_health_interval_s=0.5,
+                max_body_bytes=max_body_bytes,
+                message_timeout_s=message_timeout_s,
             )
-            with EnvoyProcess(cfg) as envoy:
+            doc = bootstrap(cfg)
+            if tweak is not None:
+                tweak(doc)
+            with EnvoyProcess(cfg, doc=doc) as envoy:
                 limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
                 async with httpx.AsyncClient(
                     base_url=envoy.url, timeout=timeout_s, limits=limits
                 ) as client:
-                    await _wait_picker_healthy(envoy)
-                    yield Gateway(fleet, svc, picker, envoy, client)
+                    if failure_mode == "open":  # only then is the picker health-checked
+                        await wait_cluster(envoy, "kvroute_picker", healthy=True)
+                    gw = Gateway(fleet, prints, svc, picker, envoy, client, picker.port)
+                    try:
+                        yield gw
+                    finally:
+                        picker = gw.picker  # the test may have replaced it
         finally:
-            await picker.stop(0.5)
+            if picker is not None:
+                await picker.stop(0.5)
 
 
-async def _wait_picker_healthy(envoy: EnvoyProcess, timeout_s: float = 10.0) -> None:
-    """The picker cluster's first health check must pass before requests count."""
-    import asyncio
+async def _fingerprints(urls: list[str]) -> dict[str, str]:
+    """Ask each worker directly once: its system_fingerprint names it in every response."""
+    out = {}
+    async with httpx.AsyncClient(timeout=10) as client:
+        for url in urls:
+            body = {"model": MODEL, "prompt": "who are you", "max_tokens": 1}
+            resp = await client.post(f"{url}/v1/completions", json=body)
+            out[resp.json()["system_fingerprint"]] = address(url)
+    return out
 
+
+async def wait_cluster(
+    envoy: EnvoyProcess, cluster: str, *, healthy: bool, timeout_s: float = 10.0
+) -> None:
+    """Until Envoy's health checking sees every host of `cluster` as (un)healthy."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     async with httpx.AsyncClient() as admin:
         while loop.time() < deadline:
             text = (await admin.get(f"{envoy.admin}/clusters")).text
-            if "kvroute_picker::" in text and _healthy(text, "kvroute_picker"):
+            if _all_health(text, cluster) == healthy:
                 return
-            await asyncio.sleep(0.1)
-    raise RuntimeError("the picker cluster never became healthy in Envoy")
+            await asyncio.sleep(0.05)
+    raise RuntimeError(f"{cluster} never became {'healthy' if healthy else 'unhealthy'}")
 
 
-def _healthy(clusters_text: str, cluster: str) -> bool:
-    lines = [ln for ln in clusters_text.splitlines() if ln.startswith(cluster + "::")]
-    flags = [ln for ln in lines if "::health_flags::" in ln]
-    return bool(flags) and all(ln.endswith("::healthy") for ln in flags)
+async def wait_member(envoy: EnvoyProcess, cluster: str, addr: str, timeout_s: float = 10.0) -> None:
+    """Until `addr` is a host of `cluster` (EDS updates land asynchronously)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with httpx.AsyncClient() as admin:
+        while loop.time() < deadline:
+            if f"{cluster}::{addr}::" in (await admin.get(f"{envoy.admin}/clusters")).text:
+                return
+            await asyncio.sleep(0.05)
+    raise RuntimeError(f"{addr} never joined {cluster}")
+
+
+def _all_health(clusters_text: str, cluster: str) -> bool | None:
+    flags = [
+        ln
+        for ln in clusters_text.splitlines()
+        if ln.startswith(cluster + "::") and "::health_flags::" in ln
+    ]
+    if not flags:
+        return None
+    states = {ln.endswith("::healthy") for ln in flags}
+    return states.pop() if len(states) == 1 else None

@@ -85,7 +85,7 @@ class GatewayConfig:
     admin_port: int | None = None
     listen_host: str = "0.0.0.0"
     max_body_bytes: int = 32 * 1024 * 1024
-    message_timeout_s: float = 2.0
+    message_timeout_s: float = 5.0
     stream_idle_timeout_s: int = 300
     picker_health_interval_s: float = 1.0
     fallback_retries: int = 3
@@ -289,8 +289,7 @@ def load_assignment(name: str, endpoints: tuple[Endpoint, ...]) -> dict[str, Any
 
 
 def _picker_cluster(cfg: GatewayConfig) -> dict[str, Any]:
-    interval = f"{cfg.picker_health_interval_s}s"
-    return {
+    cluster: dict[str, Any] = {
         "name": PICKER,
         "type": "STATIC" if cfg.ext_proc.is_ip else "STRICT_DNS",
         "connect_timeout": "1s",
@@ -301,14 +300,26 @@ def _picker_cluster(cfg: GatewayConfig) -> dict[str, Any]:
             }
         },
         "load_assignment": load_assignment(PICKER, (cfg.ext_proc,)),
-        # an unhealthy picker is skipped at once, not tried ("panic" would still try it)
+    }
+    if cfg.failure_mode == "open":
+        cluster.update(_picker_health(cfg))
+    return cluster
+
+
+def _picker_health(cfg: GatewayConfig) -> dict[str, Any]:
+    """Fail-open only: a picker that fails its readiness twice is skipped at once (round
+    robin) instead of costing each request a message timeout. With fail-close a health
+    check would only turn one slow answer into rejected traffic, so there is none."""
+    interval = f"{cfg.picker_health_interval_s}s"
+    return {
+        # 0 %: an unhealthy picker is not tried at all ("panic" routing would still try it)
         "common_lb_config": {"healthy_panic_threshold": {"value": 0}},
         "health_checks": [
             {
                 "timeout": "1s",
                 "interval": interval,
                 "no_traffic_interval": interval,
-                "unhealthy_threshold": 1,
+                "unhealthy_threshold": 2,
                 "healthy_threshold": 1,
                 "grpc_health_check": {"service_name": PICKER_HEALTH_SERVICE},
             }

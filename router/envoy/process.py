@@ -11,7 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 import httpx
 import yaml
@@ -40,9 +40,12 @@ def envoy_binary() -> Path | None:
 
 class EnvoyProcess:
     """`envoy -c bootstrap.yaml` on loopback; ready once its admin says LIVE and the
-    listener accepts. The bootstrap must have an admin port."""
+    listener accepts. The bootstrap must have an admin port; `doc` replaces the rendered
+    bootstrap (a test that adds a filter)."""
 
-    def __init__(self, cfg: GatewayConfig, *, ready_timeout: float = 30.0) -> None:
+    def __init__(
+        self, cfg: GatewayConfig, *, doc: dict[str, Any] | None = None, ready_timeout: float = 30.0
+    ) -> None:
         binary = envoy_binary()
         if binary is None:
             raise RuntimeError(f"no envoy binary: {INSTALL_HINT}")
@@ -53,7 +56,7 @@ class EnvoyProcess:
         self.admin = f"http://127.0.0.1:{cfg.admin_port}"
         self.dir = Path(tempfile.mkdtemp(prefix="kvroute-envoy-"))
         config = self.dir / "envoy.yaml"
-        config.write_text(yaml.safe_dump(bootstrap(cfg), sort_keys=False))
+        config.write_text(yaml.safe_dump(doc or bootstrap(cfg), sort_keys=False))
         self.log_path = self.dir / "envoy.log"
         cmd = [str(binary), "-c", str(config), "--log-level", "warning"]
         cmd += ["--base-id", str(os.getpid() % 10_000 + cfg.listen_port), "--concurrency", "2"]

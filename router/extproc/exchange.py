@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
-from router.core.errors import KvrouteError, NoWorkerAvailable
+from router.core.errors import KvrouteError, NoWorkerAvailable, PayloadTooLarge
 from router.extproc import gie
 from router.forward import UsageSniffer, cached_tokens_of
 from router.openai_req import RoutingInput, parse
@@ -34,6 +34,8 @@ MAX_FALLBACKS = 4
 # JSON responses are kept only to read usage.cached_tokens; a larger one is not usage-bearing.
 MAX_KEPT_RESPONSE = 1 << 20
 WORKER_HEADER = "x-kvroute-worker"
+# FULL_DUPLEX_STREAMED bodies bypass Envoy's buffer limit: the picker enforces it (413).
+DEFAULT_MAX_BODY = 32 * 1024 * 1024
 Responses = list[gie.ProcessingResponse]
 _encode = msgspec.json.encode
 
@@ -41,8 +43,10 @@ _encode = msgspec.json.encode
 class Exchange:
     """The state of one gRPC stream; `handle` answers each message Envoy sends."""
 
-    def __init__(self, svc: DecisionService) -> None:
+    def __init__(self, svc: DecisionService, max_body_bytes: int = DEFAULT_MAX_BODY) -> None:
         self.svc = svc
+        self.max_body_bytes = max_body_bytes
+        self.body_bytes = 0
         self.duplex_request = False
         self.duplex_response = False
         self.kind: str | None = None
@@ -94,6 +98,11 @@ class Exchange:
                 return [gie.streamed_body(msg.body, end=msg.end_of_stream)]
             return [gie.passthrough("request_body")]
         self.body.append(msg.body)
+        self.body_bytes += len(msg.body)
+        if self.body_bytes > self.max_body_bytes:
+            self.body, self.decided = [], True  # answered: later chunks are dropped
+            limit = PayloadTooLarge(f"request body over {self.max_body_bytes} bytes")
+            return [_error(limit)]
         if not msg.end_of_stream:
             return []  # FULL_DUPLEX_STREAMED: more chunks follow
         body = b"".join(self.body)

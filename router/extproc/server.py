@@ -28,7 +28,7 @@ from grpc_health.v1.health import aio as health_aio
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from router.core.errors import ConfigError
 from router.extproc import gie
-from router.extproc.exchange import Exchange
+from router.extproc.exchange import DEFAULT_MAX_BODY, Exchange
 from router.routing import DecisionService
 
 log = logging.getLogger("kvroute.extproc")
@@ -36,6 +36,12 @@ log = logging.getLogger("kvroute.extproc")
 LIVENESS = ("", "liveness")
 READINESS = ("readiness", gie.SERVICE_NAME)
 HEALTH_POLL_S = 0.5
+# Every in-flight HTTP request holds one ext_proc stream until its response ends (minutes for
+# a long generation): the per-connection stream limit must not queue new requests behind them.
+SERVER_OPTIONS = [
+    ("grpc.so_reuseport", 0),
+    ("grpc.max_concurrent_streams", 1 << 20),
+]
 
 
 @dataclass(frozen=True)
@@ -57,13 +63,14 @@ class TlsFiles:
 
 
 class _Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, svc: DecisionService) -> None:
+    def __init__(self, svc: DecisionService, max_body_bytes: int) -> None:
         self.svc = svc
+        self.max_body_bytes = max_body_bytes
 
     async def Process(  # noqa: N802 (the gRPC method name)
         self, requests: AsyncIterator[gie.ProcessingRequest], context: Any
     ) -> AsyncIterator[gie.ProcessingResponse]:
-        exchange = Exchange(self.svc)
+        exchange = Exchange(self.svc, self.max_body_bytes)
         try:
             async for req in requests:
                 for resp in await exchange.handle(req):
@@ -82,8 +89,10 @@ class ExtProcServer:
         port: int = 9002,
         *,
         tls: TlsFiles | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY,
     ) -> None:
         self.svc = svc
+        self.max_body_bytes = max_body_bytes
         self.host = host
         self.port = port
         self.tls = tls
@@ -93,8 +102,8 @@ class ExtProcServer:
         self._health_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        pb_grpc.add_ExternalProcessorServicer_to_server(_Processor(self.svc), server)
+        server = grpc.aio.server(options=SERVER_OPTIONS)
+        pb_grpc.add_ExternalProcessorServicer_to_server(_Processor(self.svc, self.max_body_bytes), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         address = f"{self.host}:{self.port}"
         if self.tls is not None:
