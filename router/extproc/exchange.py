@@ -18,8 +18,8 @@ import logging
 from typing import Any
 
 import msgspec
-
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+
 from router.core.errors import KvrouteError, NoWorkerAvailable, PayloadTooLarge
 from router.extproc import gie
 from router.forward import UsageSniffer, cached_tokens_of
@@ -170,7 +170,9 @@ class Exchange:
             self.kept_bytes += len(chunk)
         if end:
             cached = (
-                self.sniffer.cached_tokens if self.streaming else cached_tokens_of(b"".join(self.kept))
+                self.sniffer.cached_tokens
+                if self.streaming
+                else cached_tokens_of(b"".join(self.kept))
             )
             self._finish(cached)
 

@@ -77,9 +77,9 @@ def decision(
     _set_headers(common.header_mutation, [(DEST_HEADER, value), *extra_headers])
     resp = pb.ProcessingResponse()
     getattr(resp, phase).response.CopyFrom(common)
-    resp.dynamic_metadata.fields[DEST_NAMESPACE].struct_value.fields[DEST_HEADER].string_value = (
-        value
-    )
+    resp.dynamic_metadata.fields[DEST_NAMESPACE].struct_value.fields[
+        DEST_HEADER
+    ].string_value = value
     return resp
 
 
@@ -120,9 +120,7 @@ def streamed_chunks(body: bytes, phase: str = "request_body") -> list[pb.Process
     if not body:
         return [streamed_body(b"", end=True, phase=phase)]
     chunks = [body[i : i + BODY_CHUNK] for i in range(0, len(body), BODY_CHUNK)]
-    return [
-        streamed_body(c, end=i == len(chunks) - 1, phase=phase) for i, c in enumerate(chunks)
-    ]
+    return [streamed_body(c, end=i == len(chunks) - 1, phase=phase) for i, c in enumerate(chunks)]
 
 
 def immediate(
@@ -136,4 +134,3 @@ def immediate(
     imm.details = details
     _set_headers(imm.headers, [("content-type", content_type)])
     return resp
-

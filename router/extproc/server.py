@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from router.core.errors import ConfigError
 from router.extproc import gie
 from router.extproc.exchange import DEFAULT_MAX_BODY, Exchange
@@ -58,8 +58,12 @@ class TlsFiles:
             pair = (self.key.read_bytes(), self.cert.read_bytes())
             ca = self.ca.read_bytes() if self.ca is not None else None
         except OSError as exc:
-            raise ConfigError(f"--ext-proc-tls-*: cannot read {exc.filename}: {exc.strerror}")
-        return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=bool(ca))
+            raise ConfigError(
+                f"--ext-proc-tls-*: cannot read {exc.filename}: {exc.strerror}"
+            ) from None
+        return grpc.ssl_server_credentials(
+            [pair], root_certificates=ca, require_client_auth=bool(ca)
+        )
 
 
 class _Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
@@ -67,7 +71,7 @@ class _Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
         self.svc = svc
         self.max_body_bytes = max_body_bytes
 
-    async def Process(  # noqa: N802 (the gRPC method name)
+    async def Process(
         self, requests: AsyncIterator[gie.ProcessingRequest], context: Any
     ) -> AsyncIterator[gie.ProcessingResponse]:
         exchange = Exchange(self.svc, self.max_body_bytes)
@@ -103,7 +107,9 @@ class ExtProcServer:
 
     async def start(self) -> None:
         server = grpc.aio.server(options=SERVER_OPTIONS)
-        pb_grpc.add_ExternalProcessorServicer_to_server(_Processor(self.svc, self.max_body_bytes), server)
+        pb_grpc.add_ExternalProcessorServicer_to_server(
+            _Processor(self.svc, self.max_body_bytes), server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         address = f"{self.host}:{self.port}"
         if self.tls is not None:
