@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import extproc_standin
 import httpx
 
-import extproc_standin
 from engines.sim.config import SimConfig
 from router.envoy.bootstrap import Endpoint, GatewayConfig, bootstrap, parse_worker
 from router.envoy.process import EnvoyProcess
@@ -51,7 +51,6 @@ class Gateway:
     @property
     def addresses(self) -> list[str]:
         return [address(u) for u in self.fleet.urls]
-
 
     async def kill_picker(self) -> None:
         """The picker goes away (its port closes); Envoy finds out by itself."""
@@ -173,7 +172,9 @@ async def wait_cluster(
     raise RuntimeError(f"{cluster} never became {'healthy' if healthy else 'unhealthy'}")
 
 
-async def wait_member(envoy: EnvoyProcess, cluster: str, addr: str, timeout_s: float = 10.0) -> None:
+async def wait_member(
+    envoy: EnvoyProcess, cluster: str, addr: str, timeout_s: float = 10.0
+) -> None:
     """Until `addr` is a host of `cluster` (EDS updates land asynchronously)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s

@@ -10,10 +10,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import extproc_standin
 import httpx
 import pytest
-
-import extproc_standin
 from gateway_harness import (
     Gateway,
     gateway,
@@ -22,6 +21,7 @@ from gateway_harness import (
     wait_cluster,
     wait_member,
 )
+
 from router.envoy.bootstrap import Endpoint, write_eds
 from router.procs import free_port
 
@@ -56,7 +56,9 @@ async def assert_served_as_picked(gw: Gateway, resp: httpx.Response) -> str:
 @pytest.mark.parametrize("mode", MODES)
 async def test_routing_follows_the_picker(mode: str) -> None:
     async with gateway(body_mode=mode) as gw:
-        picks = [await assert_served_as_picked(gw, await gw.complete(f"p{i} " * 40)) for i in range(16)]
+        picks = [
+            await assert_served_as_picked(gw, await gw.complete(f"p{i} " * 40)) for i in range(16)
+        ]
         assert set(picks) == set(gw.addresses)  # the stand-in's random order used both
         starts = [t.events[0][1] for t in gw.svc.tickets]
         assert starts == picks  # the picker's first choice is where each one went
@@ -282,4 +284,3 @@ async def test_a_worker_that_joins_later_is_reachable_without_restart(
 def _ep(addr: str) -> Endpoint:
     host, _, port = addr.rpartition(":")
     return Endpoint(host, int(port))
-

@@ -77,6 +77,8 @@ def _ref_pickers(workers: list[Endpoint], n: int) -> Iterator[list[tuple[Endpoin
         for _, p in procs:
             p.terminate()
             p.wait(5)
+            if p.stdout is not None:
+                p.stdout.close()
 
 
 def ref_path(body_mode: str, n: int) -> PathFactory:

