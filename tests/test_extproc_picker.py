@@ -29,6 +29,8 @@ from router.extproc.cli import add_arguments, server_from_args  # noqa: E402
 from router.extproc.server import ExtProcServer, TlsFiles  # noqa: E402
 
 ENDPOINTS = ["127.0.0.1:18001", "127.0.0.1:18002", "127.0.0.1:18003"]
+REF_PICKER = [sys.executable, "-m", "router.bench.extproc_ref"]
+KIT = [sys.executable, "-m", "conformance.extproc"]
 
 
 @pytest.fixture
@@ -87,17 +89,17 @@ def test_the_kit_fails_a_picker_that_breaks_the_protocol(tmp_path: Path) -> None
     OpenAI errors. The kit must say so, case by case, and exit 1."""
     port = free_port()
     ref = subprocess.Popen(
-        [sys.executable, "-m", "router.bench.extproc_ref", "--port", str(port)]
-        + ["--endpoints", ",".join(ENDPOINTS)],
+        [*REF_PICKER, "--port", str(port), "--endpoints", ",".join(ENDPOINTS)],
         stdout=subprocess.PIPE,
     )
     try:
         assert ref.stdout is not None
         ref.stdout.readline()
         report = tmp_path / "kit.json"
+        argv = ["--picker", f"127.0.0.1:{port}", "--endpoints", ",".join(ENDPOINTS)]
+        argv += ["--report", str(report), "--timeout", "2"]
         out = subprocess.run(
-            [sys.executable, "-m", "conformance.extproc", "--picker", f"127.0.0.1:{port}"]
-            + ["--endpoints", ",".join(ENDPOINTS), "--report", str(report), "--timeout", "2"],
+            [*KIT, *argv],
             capture_output=True,
             text=True,
             timeout=120,
@@ -165,7 +167,8 @@ def _pki(folder: Path) -> dict[str, Path]:
         run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
             f"{name}.csr", "-subj", f"/CN={name}")  # fmt: skip
         run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
-            "-CAcreateserial", "-out", f"{name}.pem", "-days", "1", "-extfile", "san.cnf")  # fmt: skip
+            "-CAcreateserial", "-out", f"{name}.pem", "-days", "1",
+            "-extfile", "san.cnf")  # fmt: skip
     return {
         n: folder / n for n in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")
     }
