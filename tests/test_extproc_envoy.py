@@ -169,6 +169,7 @@ async def test_fallback_order_when_the_first_choice_refuses(mode: str) -> None:
             assert resp.status_code == 200, resp.text[:300]
             second = gw.svc.decisions[-1][1][1]
             assert served_by(gw, resp) == second == resp.headers[SERVED]
+            assert resp.headers["x-kvroute-worker"] == f"{dead.host}:{dead.port}"  # the pick
             ticket = gw.svc.tickets[-1]
             assert ticket.events[0] == ("start", f"{dead.host}:{dead.port}")
             assert ("reassign", second) in ticket.events  # load moved to where it ran

@@ -7,6 +7,7 @@ import asyncio
 import os
 import sys
 
+from router.check.checks_gateway import GatewayOptions, run_gateway_checks
 from router.check.context import WORKER_HEADER, Options, UsageError
 from router.check.render import as_json, human
 from router.check.runner import CHECKS, NAMES, run_checks
@@ -40,6 +41,7 @@ examples:
   router-check --router http://127.0.0.1:8000 --worker http://10.0.0.5:8000 \\
       --skip repeat-prefix --skip load-spread       # only the engine-side checks
   router-check --router http://127.0.0.1:8000 --prompt-tokens 4000 --margin 2
+  router-check --gateway http://envoy:8080 --gateway-admin http://envoy:9901
 """
 
 
@@ -50,7 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--router", required=True, metavar="URL", help="the router's base URL")
+    p.add_argument("--router", metavar="URL", help="the router's base URL")
+    p.add_argument(
+        "--gateway",
+        metavar="URL",
+        help="an Envoy / GIE gateway listener in front of kvroute's ext_proc picker: probe that "
+        "it honours the picker (with or without --router)",
+    )
+    p.add_argument(
+        "--gateway-admin", metavar="URL", help="the gateway's Envoy admin, to read its config"
+    )
     p.add_argument(
         "--worker",
         action="append",
@@ -125,16 +136,36 @@ def options(args: argparse.Namespace) -> Options:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)  # exits 2 on bad usage
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits 2 on bad usage
+    if args.router is None and args.gateway is None:
+        parser.error("give --router URL, --gateway URL, or both")
+    if args.router is None:
+        return _gateway_only(args)
     try:
         opts = options(args)
     except UsageError as exc:
         print(f"router-check: {exc}", file=sys.stderr)
         return 2
     report = asyncio.run(run_checks(opts))
+    if args.gateway:
+        gateway = asyncio.run(run_gateway_checks(_gateway_options(args)))
+        report.results += gateway.results
     print(as_json(report) if args.json else human(report), flush=True)
     if report.fatal is not None and args.json:
         print(f"router-check: {report.fatal}", file=sys.stderr)
+    return report.exit_code
+
+
+def _gateway_options(args: argparse.Namespace) -> GatewayOptions:
+    return GatewayOptions(
+        args.gateway, args.gateway_admin, timeout_s=args.timeout, pairs=args.pairs
+    )
+
+
+def _gateway_only(args: argparse.Namespace) -> int:
+    report = asyncio.run(run_gateway_checks(_gateway_options(args)))
+    print(as_json(report) if args.json else human(report), flush=True)
     return report.exit_code
 
 

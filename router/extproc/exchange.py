@@ -33,6 +33,8 @@ DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 MAX_FALLBACKS = 4
 # JSON responses are kept only to read usage.cached_tokens; a larger one is not usage-bearing.
 MAX_KEPT_RESPONSE = 1 << 20
+# The picker's first choice, on the response: with the gateway's served-endpoint header, a
+# client (router-check --gateway) sees whether the gateway followed the pick.
 WORKER_HEADER = "x-kvroute-worker"
 # FULL_DUPLEX_STREAMED bodies bypass Envoy's buffer limit: the picker enforces it (413).
 DEFAULT_MAX_BODY = 32 * 1024 * 1024
@@ -53,7 +55,8 @@ class Exchange:
         self.subset: frozenset[str] | None = None
         self.decided = False
         self.body: list[bytes] = []
-        self.worker: str | None = None
+        self.worker: str | None = None  # where the load is counted (the served one, once known)
+        self.picked: str | None = None  # the first choice, named to the client
         self.ticket: Any = None
         self.status = 0
         self.streaming = False
@@ -131,7 +134,7 @@ class Exchange:
         ranked = [s.worker for s in decision.ranked[:MAX_FALLBACKS]]
         if not ranked:
             raise NoWorkerAvailable("no eligible worker for this request")
-        self.worker = ranked[0]
+        self.worker = self.picked = ranked[0]
         self.ticket = self.svc.start(decision, self.worker)
         return [self.svc.address_of(w) for w in ranked]
 
@@ -148,9 +151,9 @@ class Exchange:
             self.worker = worker
         if req.response_headers.end_of_stream:
             self._finish(None)
-        if self.worker is None:
+        if self.picked is None:
             return [gie.passthrough("response_headers")]
-        return [gie.with_headers("response_headers", [(WORKER_HEADER, self.worker)])]
+        return [gie.with_headers("response_headers", [(WORKER_HEADER, self.picked)])]
 
     def _response_body(self, msg: Any) -> Responses:
         if self.ticket is not None:
