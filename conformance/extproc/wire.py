@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -70,7 +69,9 @@ def request_body(body: bytes, *, end: bool = True) -> pb.ProcessingRequest:
 def response_headers(
     status: int, served: str | None, content_type: str = "application/json"
 ) -> pb.ProcessingRequest:
-    hdrs = pb.HttpHeaders(headers=_header_map([(":status", str(status)), ("content-type", content_type)]))
+    hdrs = pb.HttpHeaders(
+        headers=_header_map([(":status", str(status)), ("content-type", content_type)])
+    )
     req = pb.ProcessingRequest(response_headers=hdrs)
     if served is not None:
         req.metadata_context.filter_metadata[LB].fields[SERVED_KEY].string_value = served

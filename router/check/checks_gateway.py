@@ -98,7 +98,8 @@ async def check_picker(ctx: GatewayContext) -> Result:
         return passed("gateway-picker", f"{len(probes)}/{len(probes)} requests carry a pick")
     statuses = sorted({p.status or 0 for p in probes})
     if picked:
-        why = f"picker intermittent: only {len(picked)}/{len(probes)} requests were picked (statuses {statuses})"
+        n = f"{len(picked)}/{len(probes)}"
+        why = f"picker intermittent: only {n} requests were picked (statuses {statuses})"
     elif all((p.status or 500) >= 500 for p in probes):
         why = f"picker unreachable: the gateway answers {statuses} (fail-close)"
     else:
