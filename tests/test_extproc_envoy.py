@@ -85,6 +85,18 @@ async def test_sse_streams_pass_through_with_usage_accounted(mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
+async def test_skipping_response_bodies_still_accounts_the_request(mode: str) -> None:
+    async with gateway(body_mode=mode, response_body="skip") as gw:
+        for stream in (False, True):
+            resp = await gw.complete("lean " * 30, stream=stream, max_tokens=4)
+            await assert_served_as_picked(gw, resp)
+        await asyncio.sleep(0.2)  # the stream's close reaches the picker after the response
+        for ticket in gw.svc.tickets:
+            assert [e[0] for e in ticket.events] == ["start", "first_token", "finish"]
+            assert ticket.events[-1][1] == (200, None)  # the status from the headers
+
+
+@pytest.mark.parametrize("mode", MODES)
 async def test_chat_and_models_and_get_without_body(mode: str) -> None:
     async with gateway(body_mode=mode) as gw:
         body = {"model": gw.svc.models[0], "messages": [{"role": "user", "content": "hi"}]}

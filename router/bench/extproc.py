@@ -4,9 +4,10 @@ Paths, each driven by wrk at concurrency 1 and 32 with a ~2k-token shared prefix
 distinct tail per request:
   direct                    wrk -> backend
   envoy                     Envoy alone (round robin)
-  envoy+ref[-duplex][-x2]   Envoy + the do-nothing reference picker (router.bench.extproc_ref:
-                            parses the body, picks at random), BUFFERED or FULL_DUPLEX_STREAMED
-                            bodies, one or two picker processes
+  envoy+ref[-duplex|-x2|-lean]  Envoy + the do-nothing reference picker (router.bench.
+                            extproc_ref: parses the body, picks at random), BUFFERED or
+                            FULL_DUPLEX_STREAMED bodies, one or two picker processes, response
+                            bodies read or skipped (lean: `envoy-config --response-body skip`)
   envoy+kvroute[...]        the same with `kvroute serve --ext-proc-port` (the real decision)
   kvroute-proxy             kvroute's own HTTP proxy
 Reported per path: p50/p99, latency added over direct, req/s, and each picker's CPU per
@@ -46,8 +47,11 @@ def cpu_s(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def _envoy(workers: list[Endpoint], pickers: list[Endpoint], body_mode: str) -> Iterator[str]:
+def _envoy(
+    workers: list[Endpoint], pickers: list[Endpoint], body_mode: str, response_body: str = "read"
+) -> Iterator[str]:
     cfg = GatewayConfig(
+        response_body=response_body,
         listen_port=free_port(),
         listen_host="127.0.0.1",
         ext_proc=pickers[0] if pickers else None,
@@ -100,7 +104,7 @@ def kvroute_has_picker() -> bool:
     return "--ext-proc-port" in out
 
 
-def kvroute_path(body_mode: str, n: int) -> PathFactory:
+def kvroute_path(body_mode: str, n: int, response_body: str = "read") -> PathFactory:
     @contextlib.contextmanager
     def make(workers: list[Endpoint]) -> Iterator[Target]:
         urls = [f"http://{w.host}:{w.port}" for w in workers]
@@ -114,7 +118,8 @@ def kvroute_path(body_mode: str, n: int) -> PathFactory:
                 )
                 pickers.append(Endpoint("127.0.0.1", port))
                 pids.append(router.proc.pid)
-            yield stack.enter_context(_envoy(workers, pickers, body_mode)), pids
+            url = stack.enter_context(_envoy(workers, pickers, body_mode, response_body))
+            yield url, pids
 
     return make
 
@@ -143,12 +148,14 @@ PATHS: dict[str, PathFactory] = {
     "envoy+ref": ref_path("buffered", 1),
     "envoy+ref-duplex": ref_path("full-duplex", 1),
     "envoy+ref-x2": ref_path("buffered", 2),
+    "envoy+ref-lean": ref_path("buffered", 1, "skip"),
     "envoy+kvroute": kvroute_path("buffered", 1),
     "envoy+kvroute-duplex": kvroute_path("full-duplex", 1),
     "envoy+kvroute-x2": kvroute_path("buffered", 2),
+    "envoy+kvroute-lean": kvroute_path("buffered", 1, "skip"),
     "kvroute-proxy": proxy_path,
 }
-NEEDS_KVROUTE_PICKER = {"envoy+kvroute", "envoy+kvroute-duplex", "envoy+kvroute-x2"}
+NEEDS_KVROUTE_PICKER = {n for n in PATHS if n.startswith("envoy+kvroute")}
 
 
 def measure(url: str, lua: Path, pids: list[int], seconds: int, repeat: int) -> dict[str, Any]:

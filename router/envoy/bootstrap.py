@@ -11,6 +11,10 @@ What it wires, and why:
   panic threshold, so that a dead or unready picker is skipped at once (round robin) instead
   of costing each request a timeout. It needs BUFFERED bodies: a FULL_DUPLEX_STREAMED body
   already sent to a dead picker cannot be recovered (DESIGN.md section 5).
+- Response bodies go to the picker for load accounting (`response_body="read"`: first token,
+  usage.cached_tokens), or not at all (`"skip"`: one gRPC round trip less per response
+  chunk; the picker then takes the first token at the response headers and the end at the
+  stream's close, which Envoy holds open until the response is done).
 - The served endpoint goes back to the picker as the response header
   `x-gateway-destination-endpoint-served` (%UPSTREAM_HOST%), which it reads for load
   accounting.
@@ -82,6 +86,9 @@ class GatewayConfig:
     workers: tuple[Endpoint, ...]
     body_mode: str = "buffered"  # buffered | full-duplex
     failure_mode: str = "close"  # open | close
+    # read: response bodies go to the picker (first token, usage.cached_tokens), a gRPC round
+    # trip per chunk; skip: only response headers (first token taken there, end = stream end)
+    response_body: str = "read"
     admin_port: int | None = None
     listen_host: str = "0.0.0.0"
     max_body_bytes: int = 32 * 1024 * 1024
@@ -96,6 +103,8 @@ class GatewayConfig:
     def validate(self) -> GatewayConfig:
         if self.body_mode not in ("buffered", "full-duplex"):
             raise ConfigError(f"--body-mode {self.body_mode!r}: buffered or full-duplex")
+        if self.response_body not in ("read", "skip"):
+            raise ConfigError(f"--response-body {self.response_body!r}: read or skip")
         if self.failure_mode not in ("open", "close"):
             raise ConfigError(f"--failure-mode {self.failure_mode!r}: open or close")
         if self.failure_mode == "open" and self.body_mode != "buffered":
@@ -197,12 +206,13 @@ def _strip_filter() -> dict[str, Any]:
 
 def _ext_proc_filter(cfg: GatewayConfig) -> dict[str, Any]:
     duplex = cfg.body_mode == "full-duplex"
+    response_body = "FULL_DUPLEX_STREAMED" if duplex else "STREAMED"
     mode = {
         "request_header_mode": "SEND",
         "response_header_mode": "SEND",
         "request_body_mode": "FULL_DUPLEX_STREAMED" if duplex else "BUFFERED",
         # response bodies are only read (first token, usage), never changed
-        "response_body_mode": "FULL_DUPLEX_STREAMED" if duplex else "STREAMED",
+        "response_body_mode": response_body if cfg.response_body == "read" else "NONE",
         "request_trailer_mode": "SEND" if duplex else "SKIP",
         "response_trailer_mode": "SEND" if duplex else "SKIP",
     }

@@ -48,6 +48,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default="close",
         help="picker down: open = round robin (needs buffered), close = 5xx (default)",
     )
+    p.add_argument(
+        "--response-body",
+        choices=("read", "skip"),
+        default="read",
+        help="read: the picker sees response bodies (first token, cached tokens; a gRPC round "
+        "trip per chunk); skip: only response headers (cheaper, approximate first token)",
+    )
     p.add_argument("--admin-port", type=int, metavar="A", help="Envoy admin on 127.0.0.1:A")
     p.add_argument(
         "--max-body-bytes", type=int, default=32 * 1024 * 1024, help="413 above (default 32 MiB)"
@@ -69,6 +76,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         workers=tuple(parse_worker(w) for w in args.worker),
         body_mode=args.body_mode,
         failure_mode=args.failure_mode,
+        response_body=args.response_body,
         admin_port=args.admin_port,
         max_body_bytes=args.max_body_bytes,
         eds_path=args.eds_file,

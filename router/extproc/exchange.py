@@ -29,6 +29,7 @@ from router.routing import Constraints, DecisionService
 log = logging.getLogger("kvroute.extproc")
 
 DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+NO_BODY = processing_mode_pb2.ProcessingMode.NONE
 # Ordered fallbacks sent to the gateway: enough for the retries a gateway makes.
 MAX_FALLBACKS = 4
 # JSON responses are kept only to read usage.cached_tokens; a larger one is not usage-bearing.
@@ -51,6 +52,7 @@ class Exchange:
         self.body_bytes = 0
         self.duplex_request = False
         self.duplex_response = False
+        self.reads_response = True  # response bodies come to the picker
         self.kind: str | None = None
         self.subset: frozenset[str] | None = None
         self.decided = False
@@ -83,6 +85,7 @@ class Exchange:
         cfg = req.protocol_config
         self.duplex_request = cfg.request_body_mode == DUPLEX
         self.duplex_response = cfg.response_body_mode == DUPLEX
+        self.reads_response = cfg.response_body_mode != NO_BODY
         self.subset = gie.subset_of(req)
         headers = gie.headers_of(req.request_headers)
         method = headers.get(":method", "GET")
@@ -151,6 +154,11 @@ class Exchange:
             self.worker = worker
         if req.response_headers.end_of_stream:
             self._finish(None)
+        elif not self.reads_response and self.ticket is not None:
+            # no body will come: the headers are the first sign of output; the end is
+            # the stream's close (Envoy holds the stream until the response is done)
+            self.first = False
+            self.svc.first_token(self.ticket)
         if self.picked is None:
             return [gie.passthrough("response_headers")]
         return [gie.with_headers("response_headers", [(WORKER_HEADER, self.picked)])]
@@ -186,8 +194,8 @@ class Exchange:
         self.svc.finish(ticket, status=self.status, cached_tokens=cached_tokens)
 
     def close(self) -> None:
-        """The stream ended: a request still counted was abandoned (client gone, upstream
-        reset, gateway gave up)."""
+        """The stream ended: the response is done (response bodies skipped) or the request
+        was abandoned (client gone, upstream reset, gateway gave up)."""
         if self.ticket is not None:
             self.status = self.status or 499
             self._finish(None)
