@@ -94,10 +94,16 @@ def _set_headers(mutation: pb.HeaderMutation, pairs: Iterable[tuple[str, str]]) 
 
 
 def passthrough(phase: str) -> pb.ProcessingResponse:
-    """Continue unchanged (`phase`: request_headers, response_headers, response_body, ...)."""
-    resp = pb.ProcessingResponse()
-    getattr(resp, phase).SetInParent()
+    """Continue unchanged (`phase`: request_headers, response_headers, response_body, ...).
+    One shared message per phase: it is never mutated, and building it costs per message."""
+    resp = _PASSTHROUGH.get(phase)
+    if resp is None:
+        resp = _PASSTHROUGH[phase] = pb.ProcessingResponse()
+        getattr(resp, phase).SetInParent()
     return resp
+
+
+_PASSTHROUGH: dict[str, pb.ProcessingResponse] = {}
 
 
 def with_headers(phase: str, pairs: Iterable[tuple[str, str]]) -> pb.ProcessingResponse:
