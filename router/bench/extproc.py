@@ -85,12 +85,12 @@ def _ref_pickers(workers: list[Endpoint], n: int) -> Iterator[list[tuple[Endpoin
                 p.stdout.close()
 
 
-def ref_path(body_mode: str, n: int) -> PathFactory:
+def ref_path(body_mode: str, n: int, response_body: str = "read") -> PathFactory:
     @contextlib.contextmanager
     def make(workers: list[Endpoint]) -> Iterator[Target]:
         with (
             _ref_pickers(workers, n) as pickers,
-            _envoy(workers, [ep for ep, _ in pickers], body_mode) as url,
+            _envoy(workers, [ep for ep, _ in pickers], body_mode, response_body) as url,
         ):
             yield url, [pid for _, pid in pickers]
 
