@@ -13,6 +13,7 @@ import argparse
 from pathlib import Path
 
 from router.core.errors import ConfigError
+from router.extproc.exchange import DEFAULT_MAX_BODY
 from router.extproc.server import ExtProcServer, TlsFiles
 from router.routing import DecisionService
 
@@ -55,9 +56,12 @@ def tls_from_args(args: argparse.Namespace) -> TlsFiles | None:
     return TlsFiles(cert, key, ca)
 
 
-def server_from_args(args: argparse.Namespace, svc: DecisionService) -> ExtProcServer | None:
+def server_from_args(
+    args: argparse.Namespace, svc: DecisionService, *, max_body_bytes: int = DEFAULT_MAX_BODY
+) -> ExtProcServer | None:
     """The picker the flags ask for (None without --ext-proc-port); bad combinations stop
-    start-up with a ConfigError naming the flag."""
+    start-up with a ConfigError naming the flag. `max_body_bytes`: the proxy's limit
+    (config.max_body_bytes), enforced by the picker on FULL_DUPLEX_STREAMED bodies."""
     port = args.ext_proc_port
     if port is None:
         if args.no_proxy:
@@ -68,4 +72,4 @@ def server_from_args(args: argparse.Namespace, svc: DecisionService) -> ExtProcS
     if not 0 <= port <= 65535:
         raise ConfigError(f"--ext-proc-port {port}: a TCP port is 0..65535")
     host = args.ext_proc_host or getattr(args, "host", None) or "0.0.0.0"
-    return ExtProcServer(svc, host, port, tls=tls_from_args(args))
+    return ExtProcServer(svc, host, port, tls=tls_from_args(args), max_body_bytes=max_body_bytes)
