@@ -89,9 +89,10 @@ class Forwarder:
         request_id: bytes,
         on_first_byte: Callable[[], None],
         tls: bool = False,
+        method: bytes = b"POST",
     ) -> Outcome:
         try:
-            response = await self.pool.request(host, port, b"POST", path, headers, body, tls)
+            response = await self.pool.request(host, port, method, path, headers, body, tls)
         except UpstreamConnectError as exc:
             raise ConnectFailed(worker, str(exc)) from None
         except UpstreamClosed as exc:

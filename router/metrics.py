@@ -13,7 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from router.workers import WorkerPool
+    from router.workers import Feed, WorkerPool
 
 HEALTH_STATES = ("OK", "NO_EVENTS", "STALE", "RESYNCING", "DISABLED")
 
@@ -132,19 +132,18 @@ class _PoolCollector(Collector):
             "Uncached prompt tokens awaiting first token",
             labels=["worker"],
         )
-        for h in pool.handles.values():
-            name = h.name
-            report = pool.worker_report(h)
+        for f, report in _endpoints(pool):
+            name = f.state.name
             for state in HEALTH_STATES:
                 health.add_metric([name, state], 1.0 if report["event_health"] == state else 0.0)
             for m in ("events", "approx"):
-                mode.add_metric([name, m], 1.0 if h.state.mode == m else 0.0)
-            available.add_metric([name], 1.0 if h.state.available else 0.0)
-            cached.add_metric([name], float(pool.core.index.entries_of(name)))
-            load.add_metric([name], float(pool.core.load.view(name).prefill_tokens))
-            if h.ingest is None:
+                mode.add_metric([name, m], 1.0 if f.state.mode == m else 0.0)
+            available.add_metric([name], 1.0 if f.state.available else 0.0)
+            cached.add_metric([name], float(pool.fleet.index.entries_of(name)))
+            load.add_metric([name], float(pool.fleet.load.view(name).prefill_tokens))
+            if f.ingest is None:
                 continue
-            c = h.ingest.counters
+            c = f.ingest.counters
             for etype, n in c.events.items():
                 events.add_metric([name, etype], float(n))
             for key, fam in counters.items():
@@ -157,3 +156,10 @@ class _PoolCollector(Collector):
         yield available
         yield cached
         yield load
+
+
+def _endpoints(pool: WorkerPool) -> Iterator[tuple[Feed, dict[str, Any]]]:
+    from router.verdicts import worker_reports
+
+    for h in pool.handles.values():
+        yield from zip(h.feeds, worker_reports(pool, h), strict=True)

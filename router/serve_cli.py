@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from router.core.config import MODES, POLICIES, Config, WorkerConfig, from_env, from_mapping
+from router.core.config import MODES, POLICIES, REMOTE, Config, from_env, from_mapping
 from router.core.errors import ConfigError
 
 log = logging.getLogger("kvroute.serve")
@@ -16,13 +17,21 @@ log = logging.getLogger("kvroute.serve")
 _EPILOG = """Configuration comes from --config (YAML), then KVROUTE_* environment variables,
 then flags; flags win. Every worker's KV event endpoints are discovered from its
 GET /kv_event_sources unless given in the YAML (workers: [{url, events, replay, topic,
-mode, block_size}]).
+mode, block_size, api_key, role}]).
+
+Several models: each worker's served names (base model and LoRA adapters, from its
+/v1/models) form the model's pool; a request only goes to workers serving its `model`, and
+an unknown model is a 404 listing the served ones. Give each model its tokenizer with
+--tokenizer MODEL=PATH (a LoRA adapter uses its base model's).
 
 examples:
   kvroute serve --worker http://10.0.0.5:8000 --worker http://10.0.0.6:8000 \\
       --tokenizer /models/llama-3-8b
   kvroute serve --config kvroute.yaml --port 8080
   kvroute serve --worker http://vllm-0:8000 --tokenizer remote --mode approx
+  kvroute serve --worker http://a:8000 --worker http://b:8000 \\
+      --tokenizer llama-3-8b=/models/llama-3-8b --tokenizer qwen-7b=remote
+  kvroute serve --workers-dns vllm-workers.default.svc:8000 --worker-api-key "$VLLM_API_KEY"
 
 Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health (503 names each broken
 worker and the fix), /ready, /metrics, /admin/workers, /debug/route (see `kvroute explain`).
@@ -51,8 +60,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--tokenizer",
+        action="append",
+        metavar="[MODEL=]PATH|remote",
         help="folder with the model's tokenizer.json + tokenizer_config.json (fast), or "
-        "'remote' to ask the workers' /tokenize (default: remote)",
+        "'remote' to ask the workers' /tokenize (default: remote); MODEL=... sets one "
+        "model's tokenizer (repeatable)",
+    )
+    p.add_argument(
+        "--worker-api-key",
+        help="the workers' --api-key, sent on the router's own calls to them (/tokenize, "
+        "/metrics, /v1/models, health); never logged (env KVROUTE_WORKER_API_KEY)",
     )
     p.add_argument(
         "--mode",
@@ -97,11 +114,16 @@ def load_config(args: argparse.Namespace, environ: dict[str, str] | None = None)
     base = from_env(base, environ)
     flags: dict[str, Any] = {}
     if args.worker:
-        flags["workers"] = [WorkerConfig(u) for u in args.worker]
+        flags["workers"] = list(args.worker)
+    if getattr(args, "tokenizer", None):
+        default, per_model = split_tokenizer_flags(args.tokenizer)
+        if default is not None:
+            flags["tokenizer"] = default
+        if per_model:
+            flags["tokenizers"] = {**base.tokenizers, **per_model}
     for name in (
         "host",
         "port",
-        "tokenizer",
         "mode",
         "policy",
         "block_size",
@@ -111,13 +133,26 @@ def load_config(args: argparse.Namespace, environ: dict[str, str] | None = None)
         "worker_header",
         "seed",
         "workers_file",
+        "workers_dns",
+        "worker_api_key",
     ):
         value = getattr(args, name, None)
         if value is not None:
             flags[name] = value
-    if "workers" in flags:
-        flags["workers"] = [{"url": w.url} for w in flags["workers"]]
     return from_mapping(flags, base).validate()
+
+
+def split_tokenizer_flags(values: list[str]) -> tuple[str | None, dict[str, str]]:
+    """`--tokenizer PATH|remote` (the default) and `--tokenizer MODEL=PATH|remote`."""
+    default: str | None = None
+    per_model: dict[str, str] = {}
+    for v in values:
+        model, sep, spec = v.partition("=")
+        if sep and model and spec and not os.path.exists(v):
+            per_model[model] = spec
+        else:
+            default = v
+    return default, per_model
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -140,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args)
         if config.tokenizer is None:
-            config = from_mapping({"tokenizer": "remote"}, config)
+            config = from_mapping({"tokenizer": REMOTE}, config)
             log.warning(
                 "no --tokenizer given: asking the workers' /tokenize (slower); pass the "
                 "model's tokenizer folder for local tokenization"

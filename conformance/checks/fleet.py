@@ -1,7 +1,9 @@
 """Check 6: two engines behind `kvroute serve` (child process, local tokenizer = the folder
 the engines load). Repeated prefixes stick to one worker and their time to first token
-drops; `router-check` passes. Then one worker restarts without --kv-events-config:
-`router-check` fails naming it, and the router's /health turns 503."""
+drops; model pools hold (the LoRA adapter only `main` serves always lands there, the base
+model on both, an unknown model is a 404 naming the served ones); `router-check` passes.
+Then one worker restarts without --kv-events-config: `router-check` fails naming it, and
+the router's /health turns 503."""
 
 from __future__ import annotations
 
@@ -193,6 +195,7 @@ async def fleet(ctx: Context, f: Findings) -> None:
         f.note("router_log", str(router.log_path))
         async with client(router.url) as http:
             _judge_repeats(f, await _send_repeats(http, a.model, tok, ctx.target.ttft_gap_s))
+            await _model_pools(http, a, b, tok, f)
             runs = await asyncio.to_thread(router_check_healthy, router.url)
             f.note("router_check_healthy", {k: v for k, v in runs[-1].items() if k != "text"})
             f.note(
@@ -208,6 +211,33 @@ async def fleet(ctx: Context, f: Findings) -> None:
     finally:
         await asyncio.to_thread(router.stop)
         atexit.unregister(router.stop)
+
+
+async def _model_pools(
+    http: httpx.AsyncClient, a: Engine, b: Engine, tok: LocalTokenizer, f: Findings
+) -> None:
+    """`a` serves the base model and its LoRA adapter, `b` the base model only."""
+    lora = a.lora_name
+    f.require(lora is not None and b.lora_name is None, "engine specs changed: no LoRA on main")
+    assert lora is not None
+    landed: dict[str, list[str | None]] = {a.model: [], lora: []}
+    for i in range(6):
+        for model in landed:
+            done = await stream_completion(http, model, prose(f"pool-{model}-{i}", tok, 200))
+            landed[model].append(done.worker)
+    f.note("model_pools", landed)
+    strays = [w for w in landed[lora] if w != _worker_name(a)]
+    f.require(not strays, f"{len(strays)} {lora} requests went to a worker without the adapter")
+    f.require(
+        None not in landed[a.model], "a base-model request came back without the worker header"
+    )
+    resp = await http.post("/v1/completions", json={"model": "no-such-model", "prompt": "hi"})
+    message = resp.json().get("error", {}).get("message", "") if resp.status_code == 404 else ""
+    f.note("unknown_model", {"status": resp.status_code, "message": message})
+    f.require(
+        resp.status_code == 404 and a.model in message and lora in message,
+        f"an unknown model got {resp.status_code}, not a 404 naming the served models",
+    )
 
 
 async def _break_worker(

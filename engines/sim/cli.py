@@ -86,6 +86,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         metavar="NAME=PATH",
         help="LoRA adapters served as extra model names (their blocks hash apart)",
     )
+    g.add_argument(
+        "--api-key", default=None, help="require this bearer key on /v1/* (vLLM's --api-key)"
+    )
     s = p.add_argument_group("scheduling and latency")
     s.add_argument("--max-batch", type=int, default=64, help="max running requests (max_num_seqs)")
     s.add_argument(
@@ -173,6 +176,7 @@ def config_from_args(
         seed=args.seed,
         output_len=output_len,
         lora_modules=_lora_modules(args.lora_modules),
+        api_key=args.api_key,
     )
     return config.replace(**over).validate()
 

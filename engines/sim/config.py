@@ -48,6 +48,7 @@ class SimConfig:
     seed: int = 0
     output_len: tuple[int, int] = (16, 64)
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) served as extra models
+    api_key: str | None = None  # vLLM's --api-key: guards /v1/* as vLLM does
     name: str = "sim"
 
     def replace(self, **changes: object) -> SimConfig:

@@ -73,7 +73,29 @@ def build_app(worker: SimWorker) -> Starlette:
         route("/sim/cached_tokens", cached_tokens, "POST"),
         *(route(p, f, m) for p, f, m in info_routes()),
     ]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found})
+    if worker.config.api_key:
+        app.add_middleware(ApiKeyGuard, api_key=worker.config.api_key)
+    return app
+
+
+class ApiKeyGuard:
+    """vLLM's --api-key: paths under /v1, /v2, /inference, /cohere need the bearer key;
+    /health, /metrics, /tokenize and the rest do not."""
+
+    GUARDED = ("/v1", "/v2", "/inference", "/cohere")
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if scope["path"].startswith(self.GUARDED) and given != self.expected:
+                await Json({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def not_found(request: Request, exc: Exception) -> Response:
