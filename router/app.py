@@ -13,8 +13,9 @@ import random
 import httpx
 
 from indexer.clock import Clock, MonotonicClock
-from router.asgi import ClientGone, Receive, Scope, Send, send_error
-from router.control import PATHS, Control
+from router.access import AccessLog
+from router.asgi import ClientGone, Message, Receive, Scope, Send, send_error
+from router.control import Control, is_control
 from router.core.config import Config
 from router.core.errors import KvrouteError
 from router.core.fleet import FleetState
@@ -25,7 +26,8 @@ from router.routing import DecisionService
 from router.sources import WorkerSources
 from router.tokenize import LocalTokenizer
 from router.tokenizers import TokenizerSet
-from router.upstream import UpstreamPool
+from router.upstream import Timeouts, UpstreamPool
+from router.worker_checks import CONTROL_TIMEOUT_S
 from router.workers import WorkerPool
 
 log = logging.getLogger("kvroute.proxy")
@@ -49,8 +51,10 @@ class RouterApp:
             max_index_entries=config.max_index_entries,
         )
         self.tokenizers = TokenizerSet.from_config(config, preloaded=tokenizer)
+        # the control plane (discovery, probes, scraping, remote /tokenize): a hung worker must
+        # never stall the rounds that would notice it
         self.client = client or httpx.AsyncClient(
-            timeout=httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s),
+            timeout=httpx.Timeout(CONTROL_TIMEOUT_S, connect=config.connect_timeout_s),
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
         )
         self.pool = WorkerPool(config, self.fleet, self.client, self.clock, self.tokenizers)
@@ -62,12 +66,21 @@ class RouterApp:
         self.routing = DecisionService(
             config, self.fleet, self.pool, self.tokenizers, self.metrics, profiles, self.clock
         )
-        self.upstream = UpstreamPool(config.connect_timeout_s, config.request_timeout_s)
-        forwarder = Forwarder(self.upstream, config.worker_header.lower().encode())
-        self.proxy = ProxyDoor(
-            self.routing, self.pool, forwarder, self.metrics, config.max_body_bytes
+        c = config
+        self.upstream = UpstreamPool(
+            c.connect_timeout_s,
+            Timeouts(c.request_timeout_s, c.inter_chunk_timeout_s, c.inter_chunk_timeout_s),
         )
+        self.pool.on_down.append(lambda h, why: self._abort(h.host, h.port, why))
+        forwarder = Forwarder(self.upstream, config.worker_header.lower().encode())
+        access = AccessLog() if config.access_log else None
+        self.proxy = ProxyDoor(self.routing, self.pool, forwarder, self.metrics, config, access)
         self.control = Control(self.routing, self.sources, self.metrics)
+
+    def _abort(self, host: str, port: int, why: str) -> None:
+        n = self.upstream.abort(host, port, why)
+        if n:
+            log.warning("%d requests in flight to %s:%d failed over: %s", n, host, port, why)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -75,18 +88,31 @@ class RouterApp:
             return
         if scope["type"] != "http":
             return
+        if scope["method"] == "HEAD":  # answered like GET, without the body
+            scope = {**scope, "method": "GET"}
+            send = _without_body(send)
         try:
-            if scope["path"] in PATHS and (self.config.metrics or scope["path"] != "/metrics"):
+            if is_control(scope["path"]):
                 await self.control.handle(scope, receive, send)
             else:
                 await self.proxy.handle(scope, receive, send)
         except ClientGone:
             return
         except KvrouteError as err:
+            self._refused(scope, err)
             await send_error(send, err)
         except Exception:
             log.exception("unexpected error on %s %s", scope["method"], scope["path"])
-            await send_error(send, KvrouteError("internal error in kvroute (logged)"))
+            internal = KvrouteError("internal error in kvroute (logged)")
+            self._refused(scope, internal)
+            await send_error(send, internal)
+
+    def _refused(self, scope: Scope, err: KvrouteError) -> None:
+        """The router answered itself: counted, and the internal detail logged."""
+        if not is_control(scope["path"]):
+            self.metrics.count("none", "none", err.status, "router")
+        if err.detail and err.status >= 500:
+            log.warning("%s %s: %s (%s)", scope["method"], scope["path"], err.message, err.detail)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -112,3 +138,12 @@ class RouterApp:
         await self.sources.stop()
         self.upstream.close()
         await self.client.aclose()
+
+
+def _without_body(send: Send) -> Send:
+    async def head_send(message: Message) -> None:
+        if message["type"] == "http.response.body":
+            message = {**message, "body": b""}
+        await send(message)
+
+    return head_send

@@ -1,16 +1,23 @@
 """The router's own endpoints (everything that is not forwarded to a worker):
 
-GET  /health          the detailed report: 503 naming each broken worker, the reason and the fix
+GET  /health          the detailed report: 503 only when routing is broken or silent, naming
+                      each broken worker, the reason and the fix (a client's 4xx never counts)
 GET  /ready           200 once an endpoint can take traffic
 GET  /live            200 while the process runs (never depends on the workers)
 GET  /metrics         Prometheus
 GET  /v1/models       the union of the workers' models
-GET|POST /admin/workers   the worker list (POST replaces it; admin token)
-GET|POST /debug/route     how a prompt would be routed, from the live index (admin token)
+GET|POST /admin/workers                 the worker list (POST replaces it)
+POST /admin/workers/NAME/drain|undrain  take a worker out of rotation (in-flight requests
+                                        finish) before a rolling update, and back
+GET|POST /debug/route                   how a prompt would be routed, from the live index
+
+/admin and /debug need the admin token (`Authorization: Bearer T`); without a token
+configured they answer 404 unless --admin-insecure is given.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 from typing import Any
 from urllib.parse import parse_qs
@@ -19,7 +26,7 @@ import msgspec
 
 from router.asgi import Receive, Scope, Send, header, read_body, send_bytes, send_json
 from router.core.decision import Decision
-from router.core.errors import BadRequest, ConfigError, Forbidden, MethodNotAllowed
+from router.core.errors import BadRequest, ConfigError, Forbidden, MethodNotAllowed, NotFound
 from router.metrics import RouterMetrics
 from router.openai_req import parse
 from router.routing import DecisionService
@@ -31,6 +38,11 @@ log = logging.getLogger("kvroute.proxy")
 PATHS = frozenset(
     {"/health", "/ready", "/live", "/metrics", "/v1/models", "/admin/workers", "/debug/route"}
 )
+GET_ONLY = frozenset({"/health", "/ready", "/live", "/metrics", "/v1/models"})
+
+
+def is_control(path: str) -> bool:
+    return path in PATHS or path.startswith("/admin/")
 
 
 class Control:
@@ -48,9 +60,14 @@ class Control:
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         path, method = scope["path"], scope["method"]
-        if path in ("/health", "/ready", "/live", "/metrics", "/v1/models") and method != "GET":
+        if path in GET_ONLY and method != "GET":
             raise MethodNotAllowed(f"{path} takes GET")
-        if path == "/health":
+        if path == "/metrics" and not self.config.metrics:
+            raise NotFound("/metrics is off (--no-metrics)")
+        if path.startswith("/admin/workers/"):
+            self._authorize(scope)
+            await self._drain(path, method, send)
+        elif path == "/health":
             status, doc = self.health()
             await send_json(send, status, doc)
         elif path == "/ready":
@@ -76,27 +93,54 @@ class Control:
     def _authorize(self, scope: Scope) -> None:
         token = self.config.admin_token
         if token is None:
-            return
+            if self.config.admin_insecure:
+                return
+            raise NotFound(
+                f"no route for {scope['method']} {scope['path']} (admin and debug endpoints "
+                "are off: start kvroute with --admin-token)"
+            )
         given = header(scope, b"authorization") or b""
-        if given != f"Bearer {token}".encode():
+        if not hmac.compare_digest(given, f"Bearer {token}".encode()):
             raise Forbidden("admin endpoint: send 'Authorization: Bearer <admin_token>'")
+
+    async def _drain(self, path: str, method: str, send: Send) -> None:
+        """POST /admin/workers/NAME/drain | /undrain (NAME: host:port as listed)."""
+        name, _, action = path.removeprefix("/admin/workers/").rpartition("/")
+        if action not in ("drain", "undrain") or not name:
+            raise NotFound(f"no route for {method} {path}")
+        if method != "POST":
+            raise MethodNotAllowed(f"{path} takes POST")
+        h = self.pool.handles.get(name)
+        if h is None:
+            known = ", ".join(sorted(self.pool.handles)) or "none"
+            raise NotFound(f"unknown worker {name!r}; workers: {known}", param="worker")
+        h.set_draining(action == "drain")
+        inflight = sum(self.svc.fleet.load.view(s.name).requests for s in h.states)
+        log.warning("worker %s %sed by the admin API (%d in flight)", name, action, inflight)
+        await send_json(send, 200, {"worker": name, "draining": h.draining, "in_flight": inflight})
 
     def health(self) -> tuple[int, dict[str, Any]]:
         reports = [r for h in self.pool.handles.values() for r in worker_reports(self.pool, h)]
         statuses = {r["status"] for r in reports}
         if "unhealthy" in statuses or not any(r["available"] for r in reports):
             status = "unhealthy"
-        elif "degraded" in statuses:
+        elif statuses - {"ok"}:  # degraded or ejected workers: routing goes on without them
             status = "degraded"
         else:
             status = "ok"
         degraded_ok = status == "degraded" and self.config.health_degraded_ok
+        code = 200 if status == "ok" or degraded_ok else 503
+        if not self.config.health_details:  # no addresses, no problem texts
+            counts: dict[str, int] = {}
+            for r in reports:
+                counts[r["status"]] = counts.get(r["status"], 0) + 1
+            return code, {"status": status, "workers": counts}
         doc = {
             "status": status,
             "unhealthy_workers": [r["name"] for r in reports if r["status"] != "ok"],
             "workers": reports,
         }
-        return (200 if status == "ok" or degraded_ok else 503), doc
+        return code, doc
 
     def worker_list(self) -> list[dict[str, Any]]:
         out = []
@@ -112,6 +156,7 @@ class Control:
                         "block_size": s.block_size,
                         "configured_block_size": h.config.block_size or self.config.block_size,
                         "mode_setting": h.mode_setting,
+                        "draining": s.draining,
                         "models": sorted(s.models or ()),
                         "role": s.role,
                         "data_parallel_rank": s.rank,
@@ -125,7 +170,7 @@ class Control:
     async def _reload_workers(self, body: bytes) -> None:
         try:
             doc = msgspec.json.decode(body)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, RecursionError) as exc:
             raise BadRequest(f"body is not JSON: {exc}") from None
         if not isinstance(doc, dict) or not isinstance(doc.get("workers"), list):
             raise BadRequest('send {"workers": [URL or {url, events?, replay?, ...}, ...]}')
@@ -141,7 +186,7 @@ class Control:
         if body:
             try:
                 doc = msgspec.json.decode(body)
-            except msgspec.DecodeError as exc:
+            except (msgspec.DecodeError, RecursionError) as exc:
                 raise BadRequest(f"request body is not valid JSON: {exc}") from None
             kind = "chat" if isinstance(doc, dict) and "messages" in doc else "completion"
         else:

@@ -18,16 +18,49 @@ if TYPE_CHECKING:
 HEALTH_STATES = ("OK", "NO_EVENTS", "STALE", "RESYNCING", "DISABLED")
 
 
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvroute")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
             "kvroute_requests_total",
-            "Requests by chosen worker and outcome",
-            ["worker", "outcome"],
+            "Requests by model, worker, HTTP status and outcome (ok, http_error, "
+            "connect_failed, timeout, client_disconnected; the router's own answers have "
+            "worker=none and outcome=router)",
+            ["model", "worker", "status", "outcome"],
             registry=r,
         )
+        self.ttft = Histogram(
+            "kvroute_ttft_seconds",
+            "Time from the request's arrival to the first byte of the worker's answer",
+            ["model", "worker"],
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=r,
+        )
+        self.duration = Histogram(
+            "kvroute_request_duration_seconds",
+            "Time from the request's arrival to the end of the worker's answer",
+            ["model", "worker"],
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+            registry=r,
+        )
+        self.stream_errors = Counter(
+            "kvroute_stream_errors_total",
+            "Responses cut short after they started (an error event and [DONE] were sent)",
+            ["worker", "cause"],
+            registry=r,
+        )
+        self.build_info = Gauge("kvroute_build_info", "kvroute's version", ["version"], registry=r)
+        self.build_info.labels(version()).set(1)
         self.decision_seconds = Histogram(
             "kvroute_route_decision_seconds",
             "Tokenize + hash + lookup + score time",
@@ -80,8 +113,8 @@ class RouterMetrics:
             found = self._children[key] = metric.labels(*labels)
         return found
 
-    def count(self, worker: str, outcome: str) -> None:
-        self.child(self.requests, worker, outcome).inc()
+    def count(self, model: str, worker: str, status: int, outcome: str) -> None:
+        self.child(self.requests, model, worker, str(status), outcome).inc()
 
     def attach(self, pool: WorkerPool) -> None:
         self.registry.register(_PoolCollector(lambda: pool))

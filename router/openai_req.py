@@ -66,7 +66,7 @@ def parse_passthrough(path: str, body: bytes) -> RoutingInput:
         return RoutingInput.bodyless()
     try:
         doc = _decoder.decode(body)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return RoutingInput.bodyless()  # not ours to judge: the worker answers it
     model = doc.get("model") if isinstance(doc, dict) else None
     if not isinstance(model, str):
@@ -84,6 +84,8 @@ def _object(body: bytes) -> dict[str, Any]:
         doc = _decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
     if not isinstance(doc, dict):
         raise BadRequest("request body must be a JSON object")
     return doc
@@ -133,6 +135,15 @@ def _chat(doc: dict[str, Any], common: dict[str, Any]) -> RoutingInput:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadRequest(f"messages[{i}] must be an object with a 'role'", param="messages")
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise BadRequest(
+                f"messages[{i}].content must be a string or a list of content parts",
+                param="messages",
+            )
+    # vLLM renders a missing or null content as an empty one (an assistant turn with tool
+    # calls); the copy tokenized here does the same, the body forwarded stays untouched
+    messages = [m if m.get("content") is not None else {**m, "content": ""} for m in messages]
     extra = doc.get("chat_template_kwargs")
     if extra is not None and not isinstance(extra, dict):
         raise BadRequest("'chat_template_kwargs' must be an object", param="chat_template_kwargs")

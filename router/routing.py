@@ -55,7 +55,17 @@ class Ticket:
     decision: Decision
     worker: str
     load: LoadTicket
-    done: bool = field(default=False)
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    done: bool = False
+
+
+def _too_long(limit: int, tokens: int, qualifier: str) -> BadRequest:
+    return BadRequest(
+        f"This model's maximum context length is {limit} tokens. However, your prompt has "
+        f"{qualifier}{tokens} tokens. Please reduce the length of the prompt.",
+        param="prompt",
+    )
 
 
 class DecisionService:
@@ -97,7 +107,12 @@ class DecisionService:
         t0 = time.perf_counter()
         self._check_model(rin.model)
         base = self.fleet.base_of(rin.model)
+        limit = self.fleet.max_model_len(rin.model)
+        if limit is not None:
+            self._precheck_length(rin, base, limit)
         tokens = await self.tokens(rin, base)
+        if limit is not None and len(tokens) > limit:
+            raise _too_long(limit, len(tokens), "")
         req = RouteRequest(
             model=rin.model,
             namespace=self.namespace(rin, base),
@@ -117,6 +132,25 @@ class DecisionService:
         if model and not any(serves(w, model) for w in self.fleet.workers.values()):
             raise unknown_model(model, self.fleet)
 
+    def _precheck_length(self, rin: RoutingInput, base: str | None, limit: int) -> None:
+        """Refuse a prompt certainly over the model's context length before tokenizing it
+        (a 20 MB prompt must not cost seconds of CPU and hundreds of MB)."""
+        if rin.prompt_ids is not None:
+            if len(rin.prompt_ids) > limit:
+                raise _too_long(limit, len(rin.prompt_ids), "")
+            return
+        tok = self.tokenizers.local(rin.model, base)
+        if tok is None:
+            return
+        texts = [rin.prompt_text or ""]
+        if rin.messages is not None:
+            texts = [
+                str(m.get("content")) for m in rin.messages if isinstance(m.get("content"), str)
+            ]
+        floor = self.tokenizers.min_tokens(tok, texts)
+        if floor > limit:
+            raise _too_long(limit, floor, "at least ")
+
     def namespace(self, rin: RoutingInput, base: str | None) -> Namespace:
         lora = rin.model if base is not None else None
         return Namespace(self.config.model, lora, rin.cache_salt)
@@ -129,14 +163,17 @@ class DecisionService:
         tok = self.tokenizers.local(rin.model, base)
         if tok is None:
             return await self._remote_tokens(rin)
-        if rin.kind == "chat":
-            assert rin.messages is not None
-            return tok.chat(
-                rin.messages,
-                add_generation_prompt=rin.add_generation_prompt,
-                extra=rin.template_extra,
-            )
-        return tok.completion(rin.prompt_text or "")
+        try:
+            if rin.kind == "chat":
+                assert rin.messages is not None
+                return tok.chat(
+                    rin.messages,
+                    add_generation_prompt=rin.add_generation_prompt,
+                    extra=rin.template_extra,
+                )
+            return tok.completion(rin.prompt_text or "")
+        except (TypeError, ValueError) as exc:  # a chat template choking on odd messages
+            raise BadRequest(f"the request cannot be tokenized: {exc}", param="messages") from None
 
     async def _remote_tokens(self, rin: RoutingInput) -> Sequence[int]:
         """A worker of the model's pool tokenizes (its own /tokenize), cached by content."""
@@ -171,10 +208,10 @@ class DecisionService:
                 raise BadRequest(f"the worker could not tokenize the request: {resp.text[:300]}")
             if resp.status_code == 200:
                 return self._remote_cache.put(key, list(resp.json().get("tokens", [])))
-        who = f" (asked {', '.join(asked)})" if asked else ""
         raise NoWorkerAvailable(
-            f"no worker serving {rin.model or 'the model'!r} answered /tokenize{who}; "
-            "give kvroute the model's tokenizer folder (--tokenizer) to tokenize locally"
+            f"no worker serving {rin.model or 'the model'!r} answered /tokenize",
+            detail=f"asked {', '.join(asked) or 'none'}; give kvroute the model's tokenizer "
+            "folder (--tokenizer) to tokenize locally",
         )
 
     # ---- the request's life ----------------------------------------------------------
@@ -197,6 +234,8 @@ class DecisionService:
         return self.start(ticket.decision, worker)
 
     def first_token(self, ticket: Ticket) -> None:
+        if ticket.first_token_at is None:
+            ticket.first_token_at = time.perf_counter()
         self.fleet.load.first_token(ticket.load)
 
     def finish(
@@ -212,24 +251,41 @@ class DecisionService:
         if ticket.done:
             return
         self._release(ticket)
-        label = outcome or ("ok" if status < 400 else f"http_{status}")
-        self.metrics.count(ticket.worker, label)
-        if outcome is None:
-            self._observe(ticket, cached_tokens)
+        model = self.model_label(ticket.decision.request.model)
+        label = outcome or ("ok" if status < 400 else "http_error")
+        self.metrics.count(model, ticket.worker, status, label)
+        if outcome is not None:
+            return
+        if 400 <= status < 500:
+            # the engine refused the request (too long, bad parameters): it stored nothing,
+            # and its silence must not count against its KV events
+            self.picker.withdraw(ticket.load)
+            return
+        self._observe(ticket, cached_tokens, model)
 
     def _release(self, ticket: Ticket) -> None:
         ticket.done = True
         self.fleet.load.finish(ticket.load)
         self.metrics.child(self.metrics.inflight, ticket.worker).dec()
 
-    def _observe(self, ticket: Ticket, cached_tokens: int | None) -> None:
-        """Predicted vs the engine's reported cached tokens (prediction fidelity)."""
+    def model_label(self, model: str) -> str:
+        """Metric labels only take names the fleet serves: clients choose the model field."""
+        if not model:
+            return "none"
+        served = any(w.models and model in w.models for w in self.fleet.workers.values())
+        return model if served else "other"
+
+    def _observe(self, ticket: Ticket, cached_tokens: int | None, model: str) -> None:
+        """Timings, and predicted vs the engine's reported cached tokens (fidelity)."""
         d, worker = ticket.decision, ticket.worker
+        m = self.metrics
+        if ticket.first_token_at is not None:
+            m.child(m.ttft, model, worker).observe(ticket.first_token_at - ticket.started)
+        m.child(m.duration, model, worker).observe(time.perf_counter() - ticket.started)
         s = d.score_of(worker)
         bs = s.block_size
         # an engine never serves a prompt's last token from cache
         predicted = min(s.overlap_blocks, max(d.prompt_tokens - 1, 0) // bs)
-        m = self.metrics
         if d.prompt_tokens:
             m.predicted_overlap.observe(predicted * bs / d.prompt_tokens)
         m.child(m.predicted_tokens, worker).inc(predicted * bs)

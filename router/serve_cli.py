@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import sys
@@ -33,9 +34,25 @@ examples:
       --tokenizer llama-3-8b=/models/llama-3-8b --tokenizer qwen-7b=remote
   kvroute serve --workers-dns vllm-workers.default.svc:8000 --worker-api-key "$VLLM_API_KEY"
 
-Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health (503 names each broken
-worker and the fix), /ready, /metrics, /admin/workers, /debug/route (see `kvroute explain`).
+Endpoints: /v1/completions, /v1/chat/completions, /v1/models, the rest of vLLM's API passed
+through by model; /health (503 names each broken worker and the fix), /ready, /live,
+/metrics; with --admin-token: /admin/workers (+ /admin/workers/NAME/drain|undrain) and
+/debug/route (see `kvroute explain`).
 """
+
+# (flag, config field, type, help) for the operational knobs; their defaults are Config's
+_TUNING: tuple[tuple[str, str, type, str], ...] = (
+    ("--request-timeout", "request_timeout_s", float, "a non-streaming answer, whole"),
+    ("--first-byte-timeout", "first_byte_timeout_s", float, "a stream's first chunk"),
+    ("--inter-chunk-timeout", "inter_chunk_timeout_s", float, "between a stream's chunks"),
+    ("--connect-timeout", "connect_timeout_s", float, "connecting to a worker"),
+    ("--health-timeout", "health_timeout_s", float, "a worker's /health probe"),
+    ("--eject-after-timeouts", "eject_after_timeouts", int, "timeouts in a row that eject"),
+    ("--header-timeout", "header_timeout_s", float, "a client's request head"),
+    ("--body-timeout", "body_timeout_s", float, "a client's whole request body"),
+    ("--drain-timeout", "drain_timeout_s", float, "SIGTERM: in-flight requests finish"),
+    ("--max-body-bytes", "max_body_bytes", int, "413 above this request size"),
+)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -47,16 +64,27 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _fleet_args(p)
+    _routing_args(p)
+    _operator_args(p)
+    t = p.add_argument_group("timeouts and limits")
+    for flag, field_name, kind, what in _TUNING:
+        default = getattr(Config(), field_name)
+        metavar = "SECONDS" if kind is float else "N"
+        t.add_argument(
+            flag, dest=field_name, type=kind, metavar=metavar, help=f"{what} (default {default})"
+        )
+    p.set_defaults(func=run)
+
+
+def _fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="kvroute.yaml")
-    p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port to listen on (default 8000)")
     p.add_argument("--worker", action="append", metavar="URL", help="a vLLM worker, repeatable")
     p.add_argument("--workers-file", help="YAML list of workers, reloaded when it changes")
     p.add_argument(
         "--workers-dns",
         metavar="HOST:PORT",
-        help="a headless Service: every A "
-        "record is a worker, re-resolved every few seconds (Kubernetes)",
+        help="a headless Service: every A record is a worker, re-resolved every few seconds",
     )
     p.add_argument(
         "--tokenizer",
@@ -71,6 +99,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="the workers' --api-key, sent on the router's own calls to them (/tokenize, "
         "/metrics, /v1/models, health); never logged (env KVROUTE_WORKER_API_KEY)",
     )
+
+
+def _routing_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mode",
         choices=MODES,
@@ -81,30 +112,83 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--block-size",
         type=int,
-        help="tokens per KV block, if not learned from "
-        "the workers' events or vllm:cache_config_info",
+        help="tokens per KV block, if not learned from the workers' events or metrics",
     )
-    p.add_argument(
-        "--metrics",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="serve /metrics (default on)",
-    )
-    p.add_argument(
+    p.add_argument("--seed", type=int, help="seed for the random policy and softmax sampling")
+
+
+def _operator_args(p: argparse.ArgumentParser) -> None:
+    o = p.add_argument_group("serving and operations")
+    o.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    o.add_argument("--port", type=int, help="port to listen on (default 8000)")
+    o.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM)")
+    o.add_argument("--tls-key", help="... and this private key (PEM)")
+    o.add_argument(
         "--admin-token", help="bearer token for /admin and /debug (env KVROUTE_ADMIN_TOKEN)"
     )
-    p.add_argument(
+    o.add_argument(
+        "--admin-insecure",
+        action="store_true",
+        default=None,
+        help="serve /admin and /debug without a token (without either they answer 404)",
+    )
+    o.add_argument(
+        "--health-details",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="/health names workers, problems and fixes (default on; off: counts only)",
+    )
+    o.add_argument(
         "--health-degraded-ok",
         action="store_true",
         default=None,
         help="answer /health 200 while a worker is served in approximate mode",
     )
-    p.add_argument(
-        "--worker-header",
-        help="response header naming the chosen worker (default x-kvroute-worker)",
+    o.add_argument(
+        "--metrics", action=argparse.BooleanOptionalAction, default=None, help="serve /metrics"
     )
-    p.add_argument("--seed", type=int, help="seed for the random policy and softmax sampling")
-    p.set_defaults(func=run)
+    o.add_argument(
+        "--worker-header",
+        help="response header naming the chosen worker (default x-kvroute-worker; '' for none)",
+    )
+    o.add_argument(
+        "--forwarded-headers",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="add X-Forwarded-For/-Proto/-Host to forwarded requests (default on)",
+    )
+    o.add_argument(
+        "--access-log",
+        action="store_true",
+        default=None,
+        help="one line per request: model, worker, overlap, status, TTFT",
+    )
+    o.add_argument("--log-format", choices=("text", "json"), help="log line format (text)")
+    o.add_argument("--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING, ERROR")
+
+
+_PLAIN = [
+    "host",
+    "port",
+    "mode",
+    "policy",
+    "block_size",
+    "metrics",
+    "admin_token",
+    "admin_insecure",
+    "health_details",
+    "health_degraded_ok",
+    "worker_header",
+    "seed",
+    "workers_file",
+    "workers_dns",
+    "worker_api_key",
+    "tls_cert",
+    "tls_key",
+    "forwarded_headers",
+    "access_log",
+    "log_format",
+]
 
 
 def load_config(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Config:
@@ -121,21 +205,7 @@ def load_config(args: argparse.Namespace, environ: dict[str, str] | None = None)
             flags["tokenizer"] = default
         if per_model:
             flags["tokenizers"] = {**base.tokenizers, **per_model}
-    for name in (
-        "host",
-        "port",
-        "mode",
-        "policy",
-        "block_size",
-        "metrics",
-        "admin_token",
-        "health_degraded_ok",
-        "worker_header",
-        "seed",
-        "workers_file",
-        "workers_dns",
-        "worker_api_key",
-    ):
+    for name in [*_PLAIN, *(t[1] for t in _TUNING)]:
         value = getattr(args, name, None)
         if value is not None:
             flags[name] = value
@@ -176,30 +246,74 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args)
         if config.tokenizer is None:
             config = from_mapping({"tokenizer": REMOTE}, config)
-            log.warning(
-                "no --tokenizer given: asking the workers' /tokenize (slower); pass the "
-                "model's tokenizer folder for local tokenization"
-            )
+            if not config.tokenizers:
+                log.warning(
+                    "no --tokenizer given: asking the workers' /tokenize (slower); pass the "
+                    "model's tokenizer folder for local tokenization"
+                )
         from router.app import RouterApp
 
         app = RouterApp(config)
     except ConfigError as err:
         print(f"kvroute serve: {err.message}", file=sys.stderr)
         return 2
-    serve(app, config.host, config.port)
+    _announce(config)
+    from router.server import serve, server_config
+
+    serve(
+        server_config(
+            app,
+            config.host,
+            config.port,
+            header_timeout_s=config.header_timeout_s,
+            drain_timeout_s=config.drain_timeout_s,
+            tls_cert=config.tls_cert,
+            tls_key=config.tls_key,
+        )
+    )
     return 0
 
 
-def serve(app: Any, host: str, port: int) -> None:
-    import uvicorn
+def _announce(config: Config) -> None:
+    """The start-up line an operator greps for, and the warnings that matter."""
+    from router.metrics import version
 
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
-        access_log=False,
-        log_level="warning",
+    fleet = [w.name for w in config.workers]
+    if config.workers_file:
+        fleet.append(f"file {config.workers_file}")
+    if config.workers_dns:
+        fleet.append(f"dns {config.workers_dns}")
+    tokenizers = {"*": config.tokenizer, **config.tokenizers}
+    scheme = "https" if config.tls_cert else "http"
+    log.warning(
+        "kvroute %s serving %s://%s:%d: workers %s, mode %s, policy %s, tokenizer %s",
+        version(),
+        scheme,
+        config.host,
+        config.port,
+        ", ".join(fleet),
+        config.mode,
+        config.policy,
+        tokenizers,
     )
+    if config.admin_token is None and not _loopback(config.host):
+        if config.admin_insecure:
+            log.warning(
+                "admin and debug endpoints are open to anyone reaching %s:%d "
+                "(--admin-insecure): set --admin-token instead",
+                config.host,
+                config.port,
+            )
+        else:
+            log.warning(
+                "listening on %s without --admin-token: /admin and /debug are off (404), so "
+                "router-check and kvroute explain cannot read them; set --admin-token",
+                config.host,
+            )
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

@@ -8,8 +8,12 @@ asks a worker of the model's pool)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
 
 from router.core.config import REMOTE, Config
 from router.core.errors import ConfigError
@@ -27,6 +31,7 @@ class TokenizerSet:
         self._default = default or REMOTE
         self._specs = dict(per_model or {})
         self._by_folder: dict[str, LocalTokenizer] = {}
+        self._max_token_bytes: dict[int, int] = {}  # id(LocalTokenizer) -> its longest token
         self._default_local = preloaded
         if preloaded is None and self._default != REMOTE:
             self._default_local = self._load(self._default, "tokenizer")
@@ -71,3 +76,21 @@ class TokenizerSet:
     @property
     def all_remote(self) -> bool:
         return self._default == REMOTE and all(s == REMOTE for s in self._specs.values())
+
+    def min_tokens(self, tok: LocalTokenizer, texts: list[str]) -> int:
+        """A lower bound on the tokens these texts make, without tokenizing them: no token
+        covers more bytes than the tokenizer's longest, so a prompt over the model's length
+        by this bound is over it for sure (it can never reject a prompt that fits)."""
+        longest = self._max_token_bytes.get(id(tok))
+        if longest is None:
+            longest = self._max_token_bytes[id(tok)] = max_token_bytes(tok.folder)
+        return math.ceil(sum(len(t.encode("utf-8", "surrogatepass")) for t in texts) / longest)
+
+
+def max_token_bytes(folder: Path) -> int:
+    """The most UTF-8 bytes any vocabulary entry spells (byte-level BPE stores each raw byte
+    as one character of up to 2 UTF-8 bytes, so this over-counts: a safe bound)."""
+    vocab: dict[str, Any] = Tokenizer.from_file(str(Path(folder) / "tokenizer.json")).get_vocab(
+        with_added_tokens=True
+    )
+    return max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=1) or 1

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvroute.workers")
 
+CONTROL_TIMEOUT_S = 10.0  # every control-plane call is bounded: a hung worker stalls nothing
 PROBE_TEXT = "kvroute tokenizer probe: The quick brown fox jumps over 13 lazy dogs."
 PROBE_CHAT = [{"role": "user", "content": PROBE_TEXT}]
 
@@ -47,7 +48,9 @@ class WorkerChecks:
         from router.workers import EJECT_AFTER_FAILURES
 
         try:
-            resp = await self.pool.client.get(f"{h.url}/health", headers=h.auth)
+            resp = await self.pool.client.get(
+                f"{h.url}/health", headers=h.auth, timeout=self.pool.config.health_timeout_s
+            )
             ok = resp.status_code == 200
             why = "" if ok else f"/health answered {resp.status_code}"
         except httpx.HTTPError as exc:
@@ -55,19 +58,18 @@ class WorkerChecks:
         if not ok:
             h.failures += 1
             h.last_error = why
-            if h.failures >= EJECT_AFTER_FAILURES and h.available:
-                log.error("worker %s ejected: %s", h.name, why)
-                h.set_available(False)
+            if h.failures >= EJECT_AFTER_FAILURES:
+                self.pool.set_down(h, why)
             return
         was_down = h.failures >= EJECT_AFTER_FAILURES or not h.available
-        h.failures = 0
+        h.failures = h.timeouts = 0
         if not h.discovered:
             await self.pool.discover(h)
         elif was_down:
             # it may be a new engine process with other flags: ask it again
             await self.pool.rediscover(h, "it came back after failing health checks")
         else:
-            await self.refresh_models(h)
+            await self.refresh_models(h, timeout=self.pool.config.health_timeout_s)
         if not h.available:
             log.warning("worker %s is healthy again: re-admitted", h.name)
         h.set_available(True)
@@ -109,10 +111,14 @@ class WorkerChecks:
 
     # ---- what the worker serves ------------------------------------------------------
 
-    async def refresh_models(self, h: WorkerHandle) -> None:
+    async def refresh_models(self, h: WorkerHandle, timeout: float | None = None) -> None:
         """Served names (base model and LoRA adapters) define the worker's model pools."""
         try:
-            resp = await self.pool.client.get(f"{h.url}/v1/models", headers=h.auth)
+            resp = await self.pool.client.get(
+                f"{h.url}/v1/models",
+                headers=h.auth,
+                timeout=timeout if timeout is not None else CONTROL_TIMEOUT_S,
+            )
             data = resp.json().get("data", []) if resp.status_code == 200 else None
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
             h.last_error = f"GET /v1/models: {exc}"
@@ -129,9 +135,11 @@ class WorkerChecks:
         if h.feeds[0].state.models is not None and names != h.feeds[0].state.models:
             log.warning("worker %s now serves %s", h.name, ", ".join(sorted(names)))
         h.models = cards
+        lens = [int(m["max_model_len"]) for m in cards if isinstance(m.get("max_model_len"), int)]
         for state in h.states:
             state.models = names
             state.adapters = adapters
+            state.max_model_len = min(lens) if lens else None
 
     def apply_cache_config(self, h: WorkerHandle) -> None:
         m = h.metrics

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -57,7 +58,9 @@ class WorkerHandle:
     api_key: str | None = field(default=None, repr=False)
     models: list[dict[str, Any]] = field(default_factory=list)  # the worker's /v1/models cards
     metrics: EngineMetrics | None = None
-    failures: int = 0
+    failures: int = 0  # consecutive failed health checks
+    timeouts: int = 0  # consecutive requests that timed out
+    draining: bool = False  # taken out of rotation by an operator (admin API)
     last_error: str = ""
     problems: dict[str, str] = field(default_factory=dict)  # config problems found by probes
     discovered: bool = False
@@ -96,6 +99,11 @@ class WorkerHandle:
         for f in self.feeds:
             f.state.available = value
 
+    def set_draining(self, value: bool) -> None:
+        self.draining = value
+        for f in self.feeds:
+            f.state.draining = value
+
     @property
     def states(self) -> list[WorkerState]:
         return [f.state for f in self.feeds]
@@ -119,6 +127,9 @@ class WorkerPool:
         self.tokenizers = tokenizers
         self.handles: dict[str, WorkerHandle] = {}
         self.checks = WorkerChecks(self)
+        # called when a worker is taken out of rotation as dead or hung (the app fails the
+        # requests in flight to it, so they can be retried elsewhere)
+        self.on_down: list[Callable[[WorkerHandle, str], None]] = []
         self._zmq: zmq.asyncio.Context | None = None  # made in start(), destroyed in stop()
         self._loops: list[asyncio.Task[None]] = []
 
@@ -326,11 +337,33 @@ class WorkerPool:
     def eject(self, endpoint: str, why: str) -> None:
         """A request could not connect: stop routing there until a health check passes."""
         h = self.handle_of(endpoint)
-        if h is not None and h.available:
-            log.error("worker %s ejected: %s", h.name, why)
-            h.set_available(False)
-            h.failures = EJECT_AFTER_FAILURES
-            h.last_error = why
+        if h is not None:
+            self.set_down(h, why)
+
+    def set_down(self, h: WorkerHandle, why: str) -> None:
+        """Out of rotation until a health check passes; requests in flight there fail now."""
+        h.failures = max(h.failures, EJECT_AFTER_FAILURES)
+        h.last_error = why
+        if not h.available:
+            return
+        log.error("worker %s ejected: %s", h.name, why)
+        h.set_available(False)
+        for hook in self.on_down:
+            hook(h, why)
+
+    def note_timeout(self, endpoint: str, why: str) -> None:
+        """A request timed out there; `eject_after_timeouts` in a row eject the worker."""
+        h = self.handle_of(endpoint)
+        if h is None:
+            return
+        h.timeouts += 1
+        if h.timeouts >= self.config.eject_after_timeouts:
+            self.set_down(h, f"{h.timeouts} requests in a row timed out ({why})")
+
+    def note_answered(self, endpoint: str) -> None:
+        h = self.handle_of(endpoint)
+        if h is not None:
+            h.timeouts = 0
 
     def models_doc(self) -> dict[str, Any]:
         """The union of the workers' /v1/models cards, each name once."""

@@ -50,6 +50,7 @@ async def two_models(*, api_key: str | None = None, **config: Any) -> AsyncItera
     ]
     async with run_fleet(configs=configs) as fleet:
         config.setdefault("tokenizer", str(PACKAGED_TOKENIZER))
+        config.setdefault("admin_insecure", True)
         cfg = Config(
             workers=tuple(WorkerConfig(u) for u in fleet.urls),
             scrape_interval_s=0.2,

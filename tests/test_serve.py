@@ -43,6 +43,7 @@ async def kvroute(
     base = sim or SimConfig(block_size=16, kv_blocks=512, topic="kv-events")
     async with run_fleet(n, base, no_events_on=no_events_on) as fleet:
         config.setdefault("tokenizer", str(PACKAGED_TOKENIZER))
+        config.setdefault("admin_insecure", True)
         config.setdefault("scrape_interval_s", 0.2)
         config.setdefault("health_check_interval_s", 0.2)
         cfg = Config(workers=tuple(WorkerConfig(u) for u in fleet.urls), **config)

@@ -93,7 +93,8 @@ async def test_a_bad_workers_file_keeps_the_current_list(
 async def test_admin_api_validates_like_the_config() -> None:
     async with run_fleet(1, SIM) as fleet:
         dns = f"127.0.0.1:{fleet.workers[0].port}"
-        app = RouterApp(Config(workers_dns=dns, tokenizer=str(PACKAGED_TOKENIZER)).validate())
+        config = Config(workers_dns=dns, tokenizer=str(PACKAGED_TOKENIZER), admin_insecure=True)
+        app = RouterApp(config.validate())
         async with serve_in_process(app) as url, httpx.AsyncClient(base_url=url) as client:
             bad = await client.post("/admin/workers", json={"workers": [{"url": 5}]})
             assert bad.status_code == 400

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -59,13 +60,15 @@ def router_check_cmd() -> list[str]:
 
 
 def run_router_check(
-    url: str, call_timeout_s: float = 30.0, limit_s: float = 600.0
+    url: str, token: str, call_timeout_s: float = 30.0, limit_s: float = 600.0
 ) -> dict[str, Any]:
-    """`router-check --router URL --json`; --timeout bounds each of its calls."""
+    """`router-check --router URL --json`; --timeout bounds each of its calls; the admin
+    token goes by environment, not on the command line."""
     cmd = [*router_check_cmd(), "--router", url, "--json", "--timeout", str(call_timeout_s)]
     cmd += ROUTER_CHECK_ARGS
     started = time.monotonic()
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s)
+    env = {**os.environ, "KVROUTE_ADMIN_TOKEN": token}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s, env=env)
     out: dict[str, Any] = {
         "exit_code": done.returncode,
         "seconds": round(time.monotonic() - started, 1),
@@ -84,14 +87,14 @@ def failed_checks(run: dict[str, Any]) -> set[str]:
     return {str(c.get("name")) for c in report.get("checks", []) if c.get("status") == "FAIL"}
 
 
-def router_check_healthy(url: str) -> list[dict[str, Any]]:
+def router_check_healthy(url: str, token: str) -> list[dict[str, Any]]:
     """router-check on a healthy fleet: rerun only while timing checks alone fail."""
-    runs = [run_router_check(url)]
+    runs = [run_router_check(url, token)]
     while runs[-1]["exit_code"] != 0 and len(runs) < HEALTHY_ATTEMPTS:
         failed = failed_checks(runs[-1])
         if not failed or not failed <= TIMING_CHECKS:
             break
-        runs.append(run_router_check(url))
+        runs.append(run_router_check(url, token))
     return runs
 
 
@@ -196,7 +199,7 @@ async def fleet(ctx: Context, f: Findings) -> None:
         async with client(router.url) as http:
             _judge_repeats(f, await _send_repeats(http, a.model, tok, ctx.target.ttft_gap_s))
             await _model_pools(http, a, b, tok, f)
-            runs = await asyncio.to_thread(router_check_healthy, router.url)
+            runs = await asyncio.to_thread(router_check_healthy, router.url, router.admin_token)
             f.note("router_check_healthy", {k: v for k, v in runs[-1].items() if k != "text"})
             f.note(
                 "router_check_healthy_attempts",
@@ -207,7 +210,7 @@ async def fleet(ctx: Context, f: Findings) -> None:
                 f"router-check failed on a healthy fleet (exit {runs[-1]['exit_code']}, "
                 f"failed {sorted(failed_checks(runs[-1]))}, {len(runs)} run(s))",
             )
-            await _break_worker(b, http, a.model, router.url, f)
+            await _break_worker(b, http, a.model, router, f)
     finally:
         await asyncio.to_thread(router.stop)
         atexit.unregister(router.stop)
@@ -241,12 +244,12 @@ async def _model_pools(
 
 
 async def _break_worker(
-    b: Engine, http: httpx.AsyncClient, model: str, url: str, f: Findings
+    b: Engine, http: httpx.AsyncClient, model: str, router: RouterProcess, f: Findings
 ) -> None:
     name = _worker_name(b)
     await asyncio.to_thread(b.restart, kv_events=False)
     f.note("restarted_without_events", name)
-    failed = await asyncio.to_thread(run_router_check, url)
+    failed = await asyncio.to_thread(run_router_check, router.url, router.admin_token)
     f.note("router_check_broken", {k: v for k, v in failed.items() if k != "text"})
     f.require(failed["exit_code"] != 0, "router-check passed with a worker publishing no KV events")
     f.require(name in failed["text"], f"router-check's output does not name {name}")

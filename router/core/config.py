@@ -67,6 +67,10 @@ class Config:
     model: str = ""  # the hash namespace's model part (kept "" unless chains must differ)
     metrics: bool = True
     admin_token: str | None = field(default=None, repr=False)
+    admin_insecure: bool = False  # admin and debug endpoints without a token (else off: 404)
+    health_details: bool = True  # /health lists worker addresses and problems (else counts only)
+    tls_cert: str | None = None  # serve HTTPS: certificate and key files (PEM)
+    tls_key: str | None = None
     worker_api_key: str | None = field(default=None, repr=False)  # for workers without api_key
     worker_header: str = "x-kvroute-worker"
     health_degraded_ok: bool = False
@@ -76,7 +80,17 @@ class Config:
     scrape_interval_s: float = 1.0
     health_check_interval_s: float = 2.0
     connect_timeout_s: float = 2.0
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0  # a non-streaming request's whole answer
+    first_byte_timeout_s: float = 120.0  # a stream's first chunk (the prefill)
+    inter_chunk_timeout_s: float = 60.0  # between a stream's chunks
+    health_timeout_s: float = 2.0  # a worker's /health probe
+    eject_after_timeouts: int = 3  # consecutive request timeouts that eject a worker
+    header_timeout_s: float = 10.0  # a client's request head (slowloris)
+    body_timeout_s: float = 60.0  # a client's whole request body
+    drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish
+    forwarded_headers: bool = True  # add X-Forwarded-For/-Proto/-Host upstream
+    access_log: bool = False  # one line per request: model, worker, overlap, status, TTFT
+    log_format: str = "text"  # text | json
     max_body_bytes: int = 32 * 1024 * 1024
     # worker x block pairs; ~180 bytes each, so the default bounds the index near 700 MB.
     # A fleet's total KV blocks should fit well below it (see indexer.index on the bound).
@@ -126,9 +140,22 @@ class Config:
             "request_timeout_s",
             "health_check_interval_s",
             "dns_interval_s",
+            "first_byte_timeout_s",
+            "inter_chunk_timeout_s",
+            "health_timeout_s",
+            "header_timeout_s",
+            "body_timeout_s",
+            "drain_timeout_s",
         ):
             _check(getattr(self, name) > 0, name, "must be a positive number of seconds")
         _check(self.max_body_bytes > 0, "max_body_bytes", "must be a positive number of bytes")
+        _check(self.eject_after_timeouts >= 1, "eject_after_timeouts", "must be >= 1")
+        _check(self.log_format in ("text", "json"), "log_format", "use text or json")
+        _check(
+            (self.tls_cert is None) == (self.tls_key is None),
+            "tls_cert",
+            "give both --tls-cert and --tls-key, or neither",
+        )
         _check(self.max_index_entries > 0, "max_index_entries", "must be positive")
         for scorer, weight in self.scoring.weights.items():
             _check(weight >= 0, f"scoring.weights.{scorer}", "weights must be >= 0")

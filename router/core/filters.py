@@ -8,7 +8,7 @@ models) or is relaxed (`when_empty` returns None: a load bound must not refuse w
 nobody else can take).
 
     model       the endpoint serves the requested model or adapter (404 otherwise)
-    available   not ejected by health checks, not draining (503)
+    available   not ejected (health checks, connect failures, timeouts), not draining (503)
     subset      in the gateway's subset hint, when the door passes one (503)
     tried       not already tried for this request (503)
     load_bound  not more than balance_abs requests above the least loaded endpoint, or
@@ -91,8 +91,12 @@ class AvailableFilter:
     def when_empty(
         self, req: RouteRequest, excluded: Mapping[str, str], fleet: FleetState
     ) -> KvrouteError | None:
-        names = ", ".join(sorted(excluded))
-        return NoWorkerAvailable(f"no worker available (failing health checks: {names})")
+        reasons = sorted(set(excluded.values()))
+        names = ", ".join(f"{n} ({why})" for n, why in sorted(excluded.items()))
+        return NoWorkerAvailable(
+            f"no worker available ({len(excluded)} {' or '.join(reasons)})",
+            detail=f"not available: {names}",
+        )
 
 
 class SubsetFilter:
@@ -117,7 +121,9 @@ class SubsetFilter:
         self, req: RouteRequest, excluded: Mapping[str, str], fleet: FleetState
     ) -> KvrouteError | None:
         hint = ", ".join(sorted(req.constraints.subset or ())) or "empty"
-        return NoWorkerAvailable(f"no eligible worker in the gateway's subset hint ({hint})")
+        return NoWorkerAvailable(
+            "no eligible worker in the gateway's subset hint", detail=f"subset hint: {hint}"
+        )
 
 
 class TriedFilter:
@@ -136,7 +142,10 @@ class TriedFilter:
         self, req: RouteRequest, excluded: Mapping[str, str], fleet: FleetState
     ) -> KvrouteError | None:
         names = ", ".join(sorted(excluded))
-        return NoWorkerAvailable(f"no worker available (already tried: {names})")
+        return NoWorkerAvailable(
+            f"no worker available ({len(excluded)} already tried)",
+            detail=f"already tried: {names}",
+        )
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ class WorkerState:
     block_size: int
     capacity_blocks: int | None = None
     available: bool = True  # false while ejected by health checks
+    draining: bool = False  # an operator took it out of rotation; in-flight requests finish
     caching: bool = True  # the engine's prefix caching (vllm:cache_config_info)
     health: HealthTracker | None = None
     worker: str = ""  # the worker this endpoint belongs to (its name when there is no DP)
@@ -38,6 +39,7 @@ class WorkerState:
     models: frozenset[str] | None = None  # served names (base + adapters); None: not known yet
     adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter -> its base model
     role: str = "both"  # prefill | decode | both
+    max_model_len: int | None = None  # the base model's context length (its /v1/models card)
 
     def __post_init__(self) -> None:
         self.worker = self.worker or self.name
@@ -83,6 +85,15 @@ class FleetState:
         for w in self.workers.values():
             names |= w.models or frozenset()
         return sorted(names)
+
+    def max_model_len(self, model: str) -> int | None:
+        """The shortest context length among the endpoints serving `model` (any, if "")."""
+        lens = [
+            w.max_model_len
+            for w in self.workers.values()
+            if w.max_model_len and (not model or (w.models is not None and model in w.models))
+        ]
+        return min(lens) if lens else None
 
     def base_of(self, model: str) -> str | None:
         """The base model of a LoRA adapter name, None for anything else."""

@@ -58,17 +58,29 @@ class Picker:
         state = self.fleet.workers[worker]
         s = decision.score_of(worker)
         hashes = decision.hashes.get(state.block_size, [])
+        expects = False
         if state.mode == EVENTS:
             self.fleet.predictions.record(worker, hashes)
             if state.health is not None:
                 known = self.fleet.index.find_matches(hashes).get(worker)
-                state.health.note_request(len(hashes) > (known.blocks if known else 0))
+                expects = len(hashes) > (known.blocks if known else 0)
+                state.health.note_request(expects)
         else:
             self.fleet.approx.record(worker, hashes)
         profile.state.turns += 1
         uncached = max(0, decision.prompt_tokens - s.overlap_blocks * state.block_size)
         blocks = math.ceil(decision.prompt_tokens / state.block_size) + extra_blocks
-        return self.fleet.load.start(worker, uncached, blocks)
+        ticket = self.fleet.load.start(worker, uncached, blocks)
+        ticket.expects_events = expects
+        return ticket
+
+    def withdraw(self, ticket: Ticket) -> None:
+        """The engine refused the request: it will store no blocks for it, so its event
+        health must not wait for them."""
+        state = self.fleet.workers.get(ticket.worker)
+        if ticket.expects_events and state is not None and state.health is not None:
+            state.health.withdraw_request()
+            ticket.expects_events = False
 
     # ---- pieces ----------------------------------------------------------------------
 
