@@ -91,6 +91,8 @@ class RouterApp:
         if scope["method"] == "HEAD":  # answered like GET, without the body
             scope = {**scope, "method": "GET"}
             send = _without_body(send)
+        if self.routing.draining:  # no idle keep-alive connection may outlive the drain
+            send = _closing(send)
         try:
             if is_control(scope["path"]):
                 await self.control.handle(scope, receive, send)
@@ -134,10 +136,24 @@ class RouterApp:
         await self.sources.start()
         self.routing.started = True
 
+    def start_draining(self) -> None:
+        """SIGTERM: /ready turns 503 and every connection closes after its response."""
+        self.routing.draining = True
+
     async def shutdown(self) -> None:
         await self.sources.stop()
         self.upstream.close()
         await self.client.aclose()
+
+
+def _closing(send: Send) -> Send:
+    async def closing_send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = [h for h in message.get("headers", ()) if h[0].lower() != b"connection"]
+            message = {**message, "headers": [*headers, (b"connection", b"close")]}
+        await send(message)
+
+    return closing_send
 
 
 def _without_body(send: Send) -> Send:

@@ -88,6 +88,7 @@ class DecisionService:
         self.picker = Picker(fleet, timer=time.perf_counter)
         self.clock = clock
         self.started = False
+        self.draining = False  # SIGTERM: stop taking new traffic
         self._remote_cache = TokenCache()
 
     # ---- the decision ----------------------------------------------------------------
@@ -309,8 +310,12 @@ class DecisionService:
 
     @property
     def ready(self) -> bool:
-        """Can route: started, and some endpoint passes health checks."""
-        return self.started and any(w.available for w in self.fleet.workers.values())
+        """Can route: started, not draining, and some endpoint passes health checks."""
+        return (
+            self.started
+            and not self.draining
+            and any(w.available for w in self.fleet.workers.values())
+        )
 
     @property
     def live(self) -> bool:

@@ -50,7 +50,8 @@ _TUNING: tuple[tuple[str, str, type, str], ...] = (
     ("--eject-after-timeouts", "eject_after_timeouts", int, "timeouts in a row that eject"),
     ("--header-timeout", "header_timeout_s", float, "a client's request head"),
     ("--body-timeout", "body_timeout_s", float, "a client's whole request body"),
-    ("--drain-timeout", "drain_timeout_s", float, "SIGTERM: in-flight requests finish"),
+    ("--drain-delay", "drain_delay_s", float, "SIGTERM: serve on, not ready, this long"),
+    ("--drain-timeout", "drain_timeout_s", float, "SIGTERM: then in-flight requests finish"),
     ("--max-body-bytes", "max_body_bytes", int, "413 above this request size"),
 )
 
@@ -260,17 +261,16 @@ def run(args: argparse.Namespace) -> int:
     _announce(config)
     from router.server import serve, server_config
 
-    serve(
-        server_config(
-            app,
-            config.host,
-            config.port,
-            header_timeout_s=config.header_timeout_s,
-            drain_timeout_s=config.drain_timeout_s,
-            tls_cert=config.tls_cert,
-            tls_key=config.tls_key,
-        )
+    uv = server_config(
+        app,
+        config.host,
+        config.port,
+        header_timeout_s=config.header_timeout_s,
+        drain_timeout_s=config.drain_timeout_s,
+        tls_cert=config.tls_cert,
+        tls_key=config.tls_key,
     )
+    serve(uv, app.start_draining, config.drain_delay_s)
     return 0
 
 

@@ -87,7 +87,8 @@ class Config:
     eject_after_timeouts: int = 3  # consecutive request timeouts that eject a worker
     header_timeout_s: float = 10.0  # a client's request head (slowloris)
     body_timeout_s: float = 60.0  # a client's whole request body
-    drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish
+    drain_delay_s: float = 2.0  # SIGTERM: serve on (not ready, closing connections) this long
+    drain_timeout_s: float = 30.0  # ... then how long in-flight requests may finish
     forwarded_headers: bool = True  # add X-Forwarded-For/-Proto/-Host upstream
     access_log: bool = False  # one line per request: model, worker, overlap, status, TTFT
     log_format: str = "text"  # text | json
@@ -148,6 +149,7 @@ class Config:
             "drain_timeout_s",
         ):
             _check(getattr(self, name) > 0, name, "must be a positive number of seconds")
+        _check(self.drain_delay_s >= 0, "drain_delay_s", "must be >= 0 seconds")
         _check(self.max_body_bytes > 0, "max_body_bytes", "must be a positive number of bytes")
         _check(self.eject_after_timeouts >= 1, "eject_after_timeouts", "must be >= 1")
         _check(self.log_format in ("text", "json"), "log_format", "use text or json")
