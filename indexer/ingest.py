@@ -174,17 +174,20 @@ class WorkerIngest:
         if verdict is Verdict.RESTART:
             self._restart(seq)
             return self.on_live(seq, payload)
+        if verdict in (Verdict.GAP, Verdict.CATCH_UP):
+            return self._missed(verdict, seq, payload)
+        self._act(verdict, seq, payload)
+        return None
+
+    def _act(self, verdict: Verdict, seq: int, payload: bytes) -> None:
         if verdict is Verdict.APPLY:
             self._apply(seq, payload)
         elif verdict is Verdict.DUPLICATE:
             self.counters.duplicates += 1
         elif verdict is Verdict.STALE:
             self._out_of_order(seq)
-        elif verdict is Verdict.HOLD:
+        else:  # HOLD
             self._held = (seq, payload)
-        else:
-            return self._missed(verdict, seq, payload)
-        return None
 
     def finish_replay(self, frames: Sequence[tuple[int, bytes]] | None) -> None:
         """Apply what the replay socket returned (None: it failed or timed out), then the

@@ -15,10 +15,10 @@ import pytest
 from engines.sim.events_pub import EventPublisher, PublisherConfig
 from engines.vllm import events as wire
 from engines.vllm.events import decode_batch
+from engines.vllm.fuzz import hostile_payloads
 from indexer.clock import FakeClock
 from indexer.hashing import Namespace, hash_request
 from indexer.index import PrefixIndex
-from engines.vllm.fuzz import hostile_payloads
 from indexer.ingest import ReplayRequest, WorkerIngest
 from indexer.subscriber import EventSubscriber, seq_bytes
 

@@ -147,14 +147,17 @@ def decode_wire(payload: bytes, limits: Limits = LIMITS) -> tuple[WireBatch, int
     Raises `MalformedPayload` for anything else, within `limits`."""
     try:
         check_size(payload, limits)
-        typed = _typed.decode(payload)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        pass
     except StructureError as exc:
         raise MalformedPayload(str(exc), exc.reason) from None
-    else:
-        events: list[WireEvent] = [*typed.events]
-        return WireBatch(typed.ts, events, typed.data_parallel_rank), 0
+    try:
+        typed = _typed.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return _decode_checked(payload, limits)
+    events: list[WireEvent] = [*typed.events]
+    return WireBatch(typed.ts, events, typed.data_parallel_rank), 0
+
+
+def _decode_checked(payload: bytes, limits: Limits) -> tuple[WireBatch, int]:
     try:
         check_structure(payload, limits)
     except StructureError as exc:
