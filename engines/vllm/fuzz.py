@@ -210,6 +210,9 @@ class FuzzReport:
     restarts: int = 0
     crashed: str = ""  # what escaped the ingest, if anything (must be "")
     equal: bool = False  # the index equals the one built from the accepted frames alone
+    # PrefixIndex.verify() passed at the end. Accepted junk can break it today: an engine
+    # hash stored again for other tokens leaves a stale entry (see tests/test_event_fuzz.py).
+    index_consistent: bool = False
     seconds: float = 0.0
 
 
@@ -245,9 +248,17 @@ def run_stream(frames: Sequence[Frame]) -> FuzzReport:
     c = mixed.counters
     report.by_reason = dict(c.malformed_by_reason)
     report.out_of_order, report.restarts = c.out_of_order, c.restarts
-    mixed.index.verify()
     report.equal = mixed.index.holds(WORKER) == alone.index.holds(WORKER)
+    report.index_consistent = _consistent(mixed.index)
     return report
+
+
+def _consistent(index: PrefixIndex) -> bool:
+    try:
+        index.verify()
+    except AssertionError:
+        return False
+    return True
 
 
 def _count(report: FuzzReport, frame: Frame, applied: int) -> None:
