@@ -181,6 +181,7 @@ class IndexMachine(RuleBasedStateMachine):
         """The engine restarts: its sequence numbers begin again at 0, its cache is empty."""
         self.ref.clear(w)
         self.seq[w] = 0
+        self.ingest[w].reconnected()  # a new process: its stream comes on a new connection
         event, parent, blocks = self.blocks_event(w, ns, seq_i, 0, 3, "GPU")  # type: ignore[misc]
         self.ref.store(w, parent, self.root(ns), blocks, "GPU")
         self.send(w, [event])
