@@ -5,6 +5,7 @@ are read at scrape time by a collector instead of being incremented twice."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -139,11 +140,26 @@ class _PoolCollector(Collector):
                 ("replays", "Replay requests sent to a worker's replay socket"),
                 ("replay_failures", "Replays that timed out or failed"),
                 ("resyncs", "Times a worker's index was cleared after unrecoverable loss"),
-                ("restarts", "Engine restarts detected (sequence went backwards)"),
-                ("malformed", "Malformed KV event messages dropped"),
+                ("restarts", "Engine restarts detected (sequence went back to the start)"),
+                ("out_of_order", "Batches with an old sequence number, dropped"),
                 ("unknown_parent", "BlockStored events whose parent was never seen"),
             )
         }
+        malformed = CounterMetricFamily(
+            "kvroute_kv_malformed",
+            "Malformed KV event batches dropped, by reason (decode, too_deep, too_large, ...)",
+            labels=["worker", "reason"],
+        )
+        sub_restarts = CounterMetricFamily(
+            "kvroute_kv_subscriber_restarts",
+            "Times a worker's event subscriber failed and was restarted",
+            labels=["worker"],
+        )
+        lag = GaugeMetricFamily(
+            "kvroute_kv_event_age_seconds",
+            "Seconds since the worker's last KV event message arrived",
+            labels=["worker"],
+        )
         health = GaugeMetricFamily(
             "kvroute_worker_event_health",
             "1 for the worker's current event-health state",
@@ -182,8 +198,18 @@ class _PoolCollector(Collector):
             for key, fam in counters.items():
                 attr = "gaps" if key == "sequence_gaps" else key
                 fam.add_metric([name], float(getattr(c, attr)))
+            for reason, n in c.malformed_by_reason.items():
+                malformed.add_metric([name, reason], float(n))
+            if f.subscriber is not None:
+                st = f.subscriber.status
+                sub_restarts.add_metric([name], float(st.restarts))
+                if st.last_message_at is not None:
+                    lag.add_metric([name], max(0.0, time.monotonic() - st.last_message_at))
         yield events
         yield from counters.values()
+        yield malformed
+        yield sub_restarts
+        yield lag
         yield health
         yield mode
         yield available

@@ -26,6 +26,12 @@ def _report(pool: WorkerPool, h: WorkerHandle, f: Feed) -> dict[str, Any]:
     problems = dict(h.problems)
     for i, err in enumerate(report.errors if report else ()):
         problems[f"events_{i}"] = err
+    sub = f.subscriber.status if f.subscriber is not None else None
+    if sub is not None and sub.restarts and not sub.running:
+        problems["subscriber"] = (
+            f"worker {state.name}: its KV event subscriber failed ({sub.last_error}) and is "
+            "being restarted; events are not applied meanwhile"
+        )
     out: dict[str, Any] = {
         "name": state.name,
         "url": h.config.url,
@@ -81,12 +87,20 @@ def _event_counters(f: Feed) -> dict[str, Any]:
         "resyncs": c.resyncs,
         "restarts": c.restarts,
         "malformed": c.malformed,
+        "malformed_by_reason": dict(c.malformed_by_reason),
+        "out_of_order": c.out_of_order,
         "unknown_parent": c.unknown_parent,
         "stored_blocks": c.blocks_stored,
         "removed_blocks": c.blocks_removed,
     }
     if f.subscriber is not None:
-        out["connected"] = f.subscriber.status.connected
+        st = f.subscriber.status
+        out["connected"] = st.connected
+        out["subscriber"] = {
+            "running": st.running,
+            "restarts": st.restarts,
+            "last_error": st.last_error,
+        }
     return out
 
 

@@ -3,7 +3,7 @@ router drained and restarted; malformed and hostile clients) and print the figur
 run only when named: `python -m conformance --target sim --only fault-worker-killed ...`
 (`.ci/run` names them all but the soak)."""
 
-from conformance.faults import clients, router, workers
+from conformance.faults import clients, events, router, workers
 
 FAULTS = (
     "fault-worker-killed",
@@ -13,6 +13,7 @@ FAULTS = (
     "fault-slowloris",
     "fault-big-prompts",
     "fault-drain",
+    "fault-events-fuzz",
 )
 
-__all__ = ["FAULTS", "clients", "router", "workers"]
+__all__ = ["FAULTS", "clients", "events", "router", "workers"]
