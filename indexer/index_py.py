@@ -191,12 +191,16 @@ class PyCore:
             counts[2] += n
             evicted = True
         if self.entries + 1 > self.max_entries:
-            victim = w if w.entries else max(self._workers.values(), key=lambda x: x.entries)
+            victim = w if w.entries else self._largest()
             n = self._evict_one(victim)
             self.evicted_at_bound += n
             counts[1] += n
             evicted = True
         return evicted
+
+    def _largest(self) -> _Worker:
+        """The worker with the most entries; a tie goes to the lowest worker id."""
+        return max(self._workers.values(), key=lambda x: (x.entries, -x.bit))
 
     def _store_fresh_chain(
         self,

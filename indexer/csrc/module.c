@@ -36,6 +36,13 @@ int as_u64(PyObject *o, u64 *out)
         PyErr_Format(PyExc_TypeError, "block hashes are ints, not %.100s", Py_TYPE(o)->tp_name);
         return -1;
     }
+#if PY_VERSION_HEX < 0x030E0000
+    /* O(1) range check, then the digit loop without the generic byte-array path */
+    if (_PyLong_Sign(o) >= 0 && _PyLong_NumBits(o) <= 64) {
+        *out = PyLong_AsUnsignedLongLongMask(o);
+        return 0;
+    }
+#endif
     *out = PyLong_AsUnsignedLongLong(o);
     if (*out != (u64)-1 || !PyErr_Occurred())
         return 0;

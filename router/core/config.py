@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 from urllib.parse import urlsplit
 
+from indexer.index import DEFAULT_MAX_ENTRIES
 from router.core.errors import ConfigError
 
 MODES = ("events", "approx", "auto")
@@ -66,9 +67,9 @@ class Config:
     connect_timeout_s: float = 2.0
     request_timeout_s: float = 600.0
     max_body_bytes: int = 32 * 1024 * 1024
-    # worker x block pairs; ~180 bytes each, so the default bounds the index near 700 MB.
+    # worker x block pairs; <100 bytes each (C core; ~180 pure-Python), so ~400 MB at most.
     # A fleet's total KV blocks should fit well below it (see indexer.index on the bound).
-    max_index_entries: int = 4_000_000
+    max_index_entries: int = DEFAULT_MAX_ENTRIES
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     seed: int | None = None
     workers_file: str | None = None  # reloaded on change
