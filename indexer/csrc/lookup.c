@@ -181,6 +181,8 @@ static int emit_ends(Search *s, PyObject *out, int others)
     for (int e = 0; e < s->nends; e++) {
         for (u64 bits = s->ends[e].bits; bits; bits &= bits - 1) {
             int wid = s->word * 64 + __builtin_ctzll(bits);
+            if (wid >= s->c->nworkers || !s->c->workers[wid].active)
+                continue; /* a removed worker's bit cannot be set; never name None */
             PyObject *split = split_tiers(s, s->ends[e].count, wid, others);
             PyObject *ov = split ? make_overlap(s->c, s->ends[e].count, split) : NULL;
             if (!ov)
