@@ -163,6 +163,11 @@ static void tab_del(Tab *t, u64 key)
     t->used--;
 }
 
+static inline void tab_prefetch(const Tab *t, u64 key)
+{
+    __builtin_prefetch(t->slots + (mix64(key) & (t->cap - 1)) * t->stride);
+}
+
 /* ---- Cnt ------------------------------------------------------------------------------ */
 
 typedef struct __attribute__((packed)) {
@@ -273,6 +278,12 @@ static int cnt_add(Cnt *c, u64 key, long long delta)
     return 0;
 }
 
+static inline void cnt_prefetch(const Cnt *c, u64 key)
+{
+    if (c->cap)
+        __builtin_prefetch(c->slots + (mix64(key) & (c->cap - 1)));
+}
+
 /* ---- Ord ------------------------------------------------------------------------------ */
 
 /* The index slot holds (32-bit hash tag << 32 | position + 1), so a probe that meets other
@@ -318,6 +329,12 @@ static inline u32 ord_find(const Ord *o, u64 key) /* position, or ORD_NONE */
             return (u32)e - 1;
         i = (i + 1) & mask;
     }
+}
+
+static inline void ord_prefetch(const Ord *o, u64 key)
+{
+    if (o->icap)
+        __builtin_prefetch(o->idx + ((u32)mix64(key) & (o->icap - 1)));
 }
 
 static inline void ord_index(u64 *idx, u32 mask, u64 key, u32 pos)
