@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 from urllib.parse import urlsplit
 
+from indexer.index import DEFAULT_MAX_ENTRIES
 from router.core.errors import ConfigError
 from router.core.policies import REGISTRY as POLICY_REGISTRY
 from router.core.profiles import Profile, build_profile
@@ -93,9 +94,9 @@ class Config:
     access_log: bool = False  # one line per request: model, worker, overlap, status, TTFT
     log_format: str = "text"  # text | json
     max_body_bytes: int = 32 * 1024 * 1024
-    # worker x block pairs; ~180 bytes each, so the default bounds the index near 700 MB.
+    # worker x block pairs; <100 bytes each (C core; ~180 pure-Python), so ~400 MB at most.
     # A fleet's total KV blocks should fit well below it (see indexer.index on the bound).
-    max_index_entries: int = 4_000_000
+    max_index_entries: int = DEFAULT_MAX_ENTRIES
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     seed: int | None = None
     workers_file: str | None = None  # reloaded on change
