@@ -155,6 +155,12 @@ class _PoolCollector(Collector):
             "Times a worker's event subscriber failed and was restarted",
             labels=["worker"],
         )
+        evicted = CounterMetricFamily(
+            "kvroute_index_evicted",
+            "Index entries dropped to stay within a bound: the worker's cap (its KV capacity "
+            "times index_cap_margin) or the global max_index_entries",
+            labels=["worker", "cause"],
+        )
         lag = GaugeMetricFamily(
             "kvroute_kv_event_age_seconds",
             "Seconds since the worker's last KV event message arrived",
@@ -189,6 +195,7 @@ class _PoolCollector(Collector):
                 mode.add_metric([name, m], 1.0 if f.state.mode == m else 0.0)
             available.add_metric([name], 1.0 if f.state.available else 0.0)
             cached.add_metric([name], float(pool.fleet.index.entries_of(name)))
+            evicted.add_metric([name, "cap"], float(pool.fleet.index.evicted_at_cap(name)))
             load.add_metric([name], float(pool.fleet.load.view(name).prefill_tokens))
             if f.ingest is None:
                 continue
@@ -208,6 +215,7 @@ class _PoolCollector(Collector):
         yield events
         yield from counters.values()
         yield malformed
+        yield evicted
         yield sub_restarts
         yield lag
         yield health

@@ -146,9 +146,12 @@ class WorkerChecks:
         if m is None:
             return
         configured = h.config.block_size or self.pool.config.block_size
+        margin = self.pool.config.index_cap_margin
         for state in h.states:
             if m.num_gpu_blocks:
                 state.capacity_blocks = m.num_gpu_blocks
+                cap = int(m.num_gpu_blocks * margin)
+                self.pool.fleet.index.set_worker_cap(state.name, cap)
             if m.block_size and not configured:
                 state.block_size = m.block_size
             state.caching = m.prefix_caching is not False

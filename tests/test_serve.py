@@ -404,3 +404,24 @@ async def test_debug_log_line_shows_the_formula(caplog: pytest.LogCaptureFixture
         await complete(s.client, DOC)
     line = next(r.message for r in caplog.records if r.message.startswith("request "))
     assert "total" in line and "prefix" in line and "load" in line and "scorers" in line
+
+
+async def test_each_workers_index_entries_are_capped_at_its_capacity() -> None:
+    from indexer.events import BlockStored, EventBatch
+    from indexer.hashing import EngineBlockHash
+
+    sim = SimConfig(block_size=16, kv_blocks=64, topic="kv-events")
+    async with kvroute(1, sim=sim, index_cap_margin=1.5) as s:
+        name = f"127.0.0.1:{s.fleet.workers[0].port}"
+        for _ in range(100):  # the cap comes with the worker's cache config
+            if s.app.fleet.workers[name].capacity_blocks:
+                break
+            await asyncio.sleep(0.02)
+        # a worker whose removals were lost: 200 stored blocks, none removed
+        tokens = list(range(200 * 16))
+        ids = [EngineBlockHash(10_000 + i) for i in range(200)]
+        s.app.fleet.index.apply(name, EventBatch(0.0, [BlockStored(ids, None, tokens, 16)]))
+        assert s.app.fleet.index.entries_of(name) == 96  # 64 blocks x 1.5
+        assert s.app.fleet.index.evicted_at_cap(name) == 104
+        metrics = (await s.client.get("/metrics")).text
+        assert f'kvroute_index_evicted_total{{cause="cap",worker="{name}"}} 104.0' in metrics

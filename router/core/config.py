@@ -97,6 +97,9 @@ class Config:
     # worker x block pairs; <100 bytes each (C core; ~180 pure-Python), so ~400 MB at most.
     # A fleet's total KV blocks should fit well below it (see indexer.index on the bound).
     max_index_entries: int = DEFAULT_MAX_ENTRIES
+    # each worker's entries are capped at its KV capacity (num_gpu_blocks) times this: a
+    # worker whose removals were lost cannot crowd the others out of the index
+    index_cap_margin: float = 2.0
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     seed: int | None = None
     workers_file: str | None = None  # reloaded on change
@@ -160,6 +163,7 @@ class Config:
             "give both --tls-cert and --tls-key, or neither",
         )
         _check(self.max_index_entries > 0, "max_index_entries", "must be positive")
+        _check(self.index_cap_margin >= 1, "index_cap_margin", "must be >= 1")
         for scorer, weight in self.scoring.weights.items():
             _check(weight >= 0, f"scoring.weights.{scorer}", "weights must be >= 0")
         _check(self.scoring.balance_abs >= 0, "scoring.balance_abs", "must be >= 0")
