@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import random
+from typing import Any
 
 import httpx
 
@@ -26,6 +27,7 @@ from router.routing import DecisionService
 from router.sources import WorkerSources
 from router.tokenize import LocalTokenizer
 from router.tokenizers import TokenizerSet
+from router.tracing import DecisionTracer
 from router.upstream import Timeouts, UpstreamPool
 from router.worker_checks import CONTROL_TIMEOUT_S
 from router.workers import WorkerPool
@@ -41,6 +43,7 @@ class RouterApp:
         clock: Clock | None = None,
         tokenizer: LocalTokenizer | None = None,
         client: httpx.AsyncClient | None = None,
+        tracer_provider: Any = None,
     ) -> None:
         self.config = config.validate()
         self.clock = clock or MonotonicClock()
@@ -74,7 +77,10 @@ class RouterApp:
         self.pool.on_down.append(lambda h, why: self._abort(h.host, h.port, why))
         forwarder = Forwarder(self.upstream, config.worker_header.lower().encode())
         access = AccessLog() if config.access_log else None
-        self.proxy = ProxyDoor(self.routing, self.pool, forwarder, self.metrics, config, access)
+        tracer = DecisionTracer(tracer_provider) if config.otel else None
+        self.proxy = ProxyDoor(
+            self.routing, self.pool, forwarder, self.metrics, config, access, tracer
+        )
         self.control = Control(self.routing, self.sources, self.metrics)
 
     def _abort(self, host: str, port: int, why: str) -> None:

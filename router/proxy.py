@@ -27,6 +27,7 @@ from router.forward import ConnectFailed, Forwarder, Outcome, WorkerTimedOut, up
 from router.metrics import RouterMetrics
 from router.openai_req import RoutingInput, parse, parse_passthrough
 from router.routing import DecisionService, Ticket
+from router.tracing import DecisionTracer
 from router.upstream import Timeouts
 from router.workers import WorkerPool
 
@@ -44,6 +45,7 @@ class ProxyDoor:
         metrics: RouterMetrics,
         config: Config,
         access: AccessLog | None = None,
+        tracer: DecisionTracer | None = None,
     ) -> None:
         self.svc = svc
         self.pool = pool
@@ -51,6 +53,7 @@ class ProxyDoor:
         self.metrics = metrics
         self.config = config
         self.access = access
+        self.tracer = tracer
         c = config
         self.streaming = Timeouts(
             c.first_byte_timeout_s, c.first_byte_timeout_s, c.inter_chunk_timeout_s
@@ -59,6 +62,7 @@ class ProxyDoor:
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         t0 = time.perf_counter()
+        t0_ns = time.time_ns()
         path, method = scope["path"], scope["method"]
         kind = self.svc.route_path(path)
         if kind is not None and method != "POST":
@@ -67,6 +71,8 @@ class ProxyDoor:
         body = await read_body(receive, self.config.max_body_bytes, self.config.body_timeout_s)
         rin = parse(kind, body) if kind is not None else parse_passthrough(path, body)
         decision = await self.svc.decide(rin)
+        if self.tracer is not None:
+            self.tracer.record(scope["headers"], decision, t0_ns)
         request_id = header(scope, b"x-request-id") or uuid.uuid4().hex.encode()
         if log.isEnabledFor(logging.DEBUG):
             log.debug(

@@ -165,6 +165,13 @@ def _operator_args(p: argparse.ArgumentParser) -> None:
         help="one line per request: model, worker, overlap, status, TTFT",
     )
     o.add_argument("--log-format", choices=("text", "json"), help="log line format (text)")
+    o.add_argument(
+        "--otel",
+        action="store_true",
+        default=None,
+        help="an OpenTelemetry span per routing decision, exported by OTLP as the "
+        "OTEL_EXPORTER_OTLP_* variables say (pip install 'kvroute[otel]')",
+    )
     o.add_argument("--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING, ERROR")
 
 

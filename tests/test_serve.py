@@ -425,3 +425,33 @@ async def test_each_workers_index_entries_are_capped_at_its_capacity() -> None:
         assert s.app.fleet.index.evicted_at_cap(name) == 104
         metrics = (await s.client.get("/metrics")).text
         assert f'kvroute_index_evicted_total{{cause="cap",worker="{name}"}} 104.0' in metrics
+
+
+async def test_otel_span_per_decision_joins_the_clients_trace() -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    async with run_fleet(1, SimConfig(block_size=16, kv_blocks=512)) as fleet:
+        cfg = Config(
+            workers=(WorkerConfig(fleet.urls[0]),), tokenizer=str(PACKAGED_TOKENIZER), otel=True
+        )
+        app = RouterApp(cfg, tracer_provider=provider)
+        async with serve_in_process(app) as url, httpx.AsyncClient(base_url=url) as client:
+            trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+            headers = {"traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"}
+            resp = await client.post(
+                "/v1/completions",
+                json={"model": "kvroute-sim", "prompt": DOC, "max_tokens": 2},
+                headers=headers,
+            )
+            assert resp.status_code == 200
+    (span,) = exporter.get_finished_spans()
+    assert span.name == "kvroute.route"
+    assert format(span.context.trace_id, "032x") == trace_id
+    assert span.attributes is not None
+    assert span.attributes["kvroute.worker"] == resp.headers["x-kvroute-worker"]
+    assert span.attributes["kvroute.prompt_tokens"] > 100

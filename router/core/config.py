@@ -92,6 +92,7 @@ class Config:
     drain_timeout_s: float = 30.0  # ... then how long in-flight requests may finish
     forwarded_headers: bool = True  # add X-Forwarded-For/-Proto/-Host upstream
     access_log: bool = False  # one line per request: model, worker, overlap, status, TTFT
+    otel: bool = False  # an OpenTelemetry span per routing decision (kvroute[otel])
     log_format: str = "text"  # text | json
     max_body_bytes: int = 32 * 1024 * 1024
     # worker x block pairs; <100 bytes each (C core; ~180 pure-Python), so ~400 MB at most.
