@@ -6,10 +6,11 @@ STAMP := $(VENV)/.kvroute-installed
 
 .PHONY: test demo lint typecheck unit venv clean conformance
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml conformance/install_nixl.sh
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	bash conformance/install_nixl.sh $(VENV)  # NIXL for P/D: --no-deps, so not a pip extra
 	@touch $(STAMP)
 
 venv: $(STAMP)
