@@ -10,7 +10,11 @@ evidence of a real pull is on the decode worker: `vllm:nixl_bytes_transferred_su
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.parser import text_string_to_metric_families
 
 from engines.sim.request import SimRequest
 
@@ -120,3 +124,55 @@ class NixlMetrics:
         self.failed_transfers.inc()
         if notification:
             self.failed_notifications.inc()
+
+
+# ---- reading them back (tests, the conformance harness, a router's verification) -------------
+
+
+@dataclass(frozen=True)
+class PDSnapshot:
+    """One worker's P/D evidence from its `/metrics` text (vLLM's or the simulator's),
+    summed over engines. Subtract two snapshots to see what happened in between."""
+
+    bytes_transferred: float = 0.0
+    transfers: float = 0.0
+    xfer_seconds: float = 0.0
+    failed_transfers: float = 0.0
+    kv_expired: float = 0.0
+    local_compute: float = 0.0
+    local_cache_hit: float = 0.0
+    external_kv_transfer: float = 0.0
+
+    def __sub__(self, other: PDSnapshot) -> PDSnapshot:
+        return PDSnapshot(
+            *(getattr(self, f.name) - getattr(other, f.name) for f in dataclasses.fields(self))
+        )
+
+    @property
+    def link_bytes_per_s(self) -> float | None:
+        """What the transfers averaged (None before any)."""
+        return self.bytes_transferred / self.xfer_seconds if self.xfer_seconds > 0 else None
+
+
+_SERIES = {
+    "vllm:nixl_bytes_transferred_sum": "bytes_transferred",
+    "vllm:nixl_bytes_transferred_count": "transfers",
+    "vllm:nixl_xfer_time_seconds_sum": "xfer_seconds",
+    "vllm:nixl_num_failed_transfers_total": "failed_transfers",
+    "vllm:nixl_num_kv_expired_reqs_total": "kv_expired",
+}
+
+
+def pd_snapshot(metrics_text: str) -> PDSnapshot:
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            key = _SERIES.get(sample.name)
+            if sample.name == "vllm:prompt_tokens_by_source_total":
+                key = sample.labels.get("source")
+            if key is not None:
+                totals[key] = totals.get(key, 0.0) + sample.value
+    return PDSnapshot(**{k: v for k, v in totals.items() if k in _FIELDS})
+
+
+_FIELDS = {f.name for f in dataclasses.fields(PDSnapshot)}

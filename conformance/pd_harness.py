@@ -1,0 +1,486 @@
+"""A prefill -> decode handoff by hand, over raw HTTP, between two engines with vLLM's
+NixlConnector: two real vLLM 0.32 CPU engines (`--target vllm`) or two simulated workers
+(`--target sim`). No router: this is what a router must do, and the evidence it can use.
+
+For each prompt: the unsplit greedy text and TTFT on the (cache-reset) decode engine; then
+the prefill leg on the prefill engine (`max_tokens=1`, `kv_transfer_params.do_remote_decode`)
+and the decode leg on the (cache-reset) decode engine with the returned params. Checked:
+the split text equals the unsplit text; the decode engine's /metrics prove the pull
+(`vllm:nixl_bytes_transferred` grew, `prompt_tokens_by_source{source="external_kv_transfer"}`
+grew by about the prompt length); a decode leg stripped of its params answers 200 and
+recomputes (`local_compute` grows, nothing moves) while the prefill engine holds the orphaned
+blocks (its `vllm:kv_cache_usage_perc` > 0) until the lease ends.
+
+Real vLLM on a small CPU host needs (DESIGN.md section 4): float32 on both engines (bfloat16
+dies with SIGILL on AMX CPUs at the first pull), distinct side-channel ports, a core each
+(VLLM_CPU_OMP_THREADS_BIND) and a re-pin after start (NIXL moves the worker to the last
+core), and the progress-thread delay patched through a `sitecustomize` on PYTHONPATH.
+
+    python -m conformance.pd_harness --target vllm --json out/pd-vllm.json
+    python -m conformance.pd_harness --target sim
+
+From a check: `with pd_pair("vllm") as pair: report = run_handoffs(pair)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+
+from conformance.procs import free_ports, group_members
+from conformance.sim_server import SimServer
+from conformance.targets import DEFAULT_MODEL_DIR
+from conformance.vllm_server import VllmServer, ensure_model
+from engines.sim.pd_metrics import PDSnapshot, pd_snapshot
+
+NIXL_SITE = Path(__file__).resolve().parent.parent / "engines" / "sim" / "nixl_site"
+DEFAULT_TOKENS = (256, 1024, 3000)
+PD_BLOCKS = 256  # KV blocks per engine: 8,160 tokens at block size 32
+MAX_TOKENS = 16
+
+
+class Server(Protocol):
+    model: str
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def log_path(self) -> Path: ...
+    def stop(self) -> None: ...
+
+
+@dataclass
+class PDPair:
+    """A prefill engine and a decode engine that can hand KV over."""
+
+    target: str
+    prefill: Server
+    decode: Server
+    gap_s: float  # idle time before a timed request (a vLLM worker spins 1 s after a step)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def model(self) -> str:
+        return self.prefill.model
+
+
+# ---- the two legs, by hand ----------------------------------------------------------------
+
+
+@dataclass
+class Leg:
+    status: int
+    text: str = ""
+    ttft_s: float | None = None
+    latency_s: float = 0.0
+    error: str | None = None
+
+
+def prefill_leg(
+    client: httpx.Client, pair: PDPair, prompt: str, rid: str
+) -> tuple[dict[str, Any] | None, float]:
+    """The router's first leg: stream off, one token, `do_remote_decode`. Returns the params
+    the prefill engine hands back (None if it gave none) and the leg's latency."""
+    body = {
+        "model": pair.model,
+        "prompt": prompt,
+        "max_tokens": 1,
+        "stream": False,
+        "temperature": 0.0,
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_host": None,
+            "remote_port": None,
+        },
+    }
+    start = time.perf_counter()
+    r = client.post(pair.prefill.url + "/v1/completions", json=body, headers={"X-Request-Id": rid})
+    elapsed = time.perf_counter() - start
+    r.raise_for_status()
+    params: dict[str, Any] | None = r.json().get("kv_transfer_params")
+    return params, elapsed
+
+
+def decode_leg(
+    client: httpx.Client, url: str, model: str, prompt: str, params: dict[str, Any] | None, rid: str
+) -> Leg:
+    """The client's own request (streamed, greedy), plus the params unchanged."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    if params is not None:
+        body["kv_transfer_params"] = params
+    start = time.perf_counter()
+    leg = Leg(status=0)
+    with client.stream(
+        "POST", url + "/v1/completions", json=body, headers={"X-Request-Id": rid}
+    ) as r:
+        leg.status = r.status_code
+        for line in r.iter_lines():
+            _take_sse(leg, line, start)
+    leg.latency_s = time.perf_counter() - start
+    return leg
+
+
+def _take_sse(leg: Leg, line: str, start: float) -> None:
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return
+    chunk = json.loads(line[len("data: ") :])
+    if "error" in chunk:
+        leg.error = str(chunk["error"].get("message"))
+        return
+    for choice in chunk.get("choices", []):
+        if choice.get("text") and leg.ttft_s is None:
+            leg.ttft_s = time.perf_counter() - start
+        leg.text += choice.get("text") or ""
+
+
+def snapshot(client: httpx.Client, url: str) -> PDSnapshot:
+    return pd_snapshot(client.get(url + "/metrics").text)
+
+
+def kv_usage(client: httpx.Client, url: str) -> float:
+    for line in client.get(url + "/metrics").text.splitlines():
+        if line.startswith("vllm:kv_cache_usage_perc"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def reset_cache(client: httpx.Client, url: str) -> bool:
+    r = client.post(url + "/reset_prefix_cache")
+    return r.status_code == 200 and r.json().get("success", True) is not False
+
+
+def prompt_of(words: int, tag: str) -> str:
+    return " ".join(f"{tag}{i % 97} item{i}" for i in range(words))
+
+
+def prompt_for(client: httpx.Client, pair: PDPair, tokens: int, tag: str) -> str:
+    """A prompt of about `tokens` tokens in this engine's tokenizer (within a few %)."""
+    words = max(tokens // 4, 1)
+    for _ in range(3):
+        n = _prompt_tokens(client, pair.decode.url, pair.model, prompt_of(words, tag))
+        if abs(n - tokens) <= max(tokens // 50, 2):
+            break
+        words = max(int(words * tokens / n), 1)
+    return prompt_of(words, tag)
+
+
+# ---- what is measured and checked ---------------------------------------------------------
+
+
+@dataclass
+class HandoffResult:
+    prompt_tokens: int
+    text_equal: bool
+    split_text: str
+    unsplit_text: str
+    unsplit_ttft_ms: float | None
+    prefill_leg_ms: float
+    decode_ttft_ms: float | None  # the decode leg's own TTFT (transfer included)
+    split_ttft_ms: float | None  # what a client sees: prefill leg + decode leg TTFT
+    bytes_transferred: float
+    transfers: float
+    xfer_ms: float
+    link_mb_s: float | None
+    external_kv_transfer: float
+    local_compute: float
+    params_keys: list[str]
+    proved: bool  # bytes moved and external tokens ~ the prompt
+
+
+def measure(client: httpx.Client, pair: PDPair, tokens: int) -> HandoffResult:
+    prompt = prompt_for(client, pair, tokens, f"t{tokens}x")
+    d = pair.decode.url
+    reset_cache(client, d)
+    time.sleep(pair.gap_s)
+    unsplit = decode_leg(client, d, pair.model, prompt, None, f"unsplit-{uuid.uuid4().hex[:8]}")
+    reset_cache(client, d)
+    time.sleep(pair.gap_s)
+    rid = f"pd-{uuid.uuid4().hex[:8]}"
+    before = snapshot(client, d)
+    params, prefill_s = prefill_leg(client, pair, prompt, rid)
+    split = decode_leg(client, d, pair.model, prompt, params, rid)
+    moved = snapshot(client, d) - before
+    n = _prompt_tokens(client, d, pair.model, prompt)
+    return _result(n, unsplit, split, prefill_s, moved, params)
+
+
+def _prompt_tokens(client: httpx.Client, url: str, model: str, prompt: str) -> int:
+    count: int = client.post(url + "/tokenize", json={"model": model, "prompt": prompt}).json()[
+        "count"
+    ]
+    return count
+
+
+def _ms(s: float | None) -> float | None:
+    return None if s is None else round(s * 1000, 2)
+
+
+def _result(
+    n: int,
+    unsplit: Leg,
+    split: Leg,
+    prefill_s: float,
+    moved: PDSnapshot,
+    params: dict[str, Any] | None,
+) -> HandoffResult:
+    rate = moved.link_bytes_per_s
+    split_ttft = None if split.ttft_s is None else prefill_s + split.ttft_s
+    return HandoffResult(
+        prompt_tokens=n,
+        text_equal=bool(split.text) and split.text == unsplit.text,
+        split_text=split.text,
+        unsplit_text=unsplit.text,
+        unsplit_ttft_ms=_ms(unsplit.ttft_s),
+        prefill_leg_ms=round(prefill_s * 1000, 2),
+        decode_ttft_ms=_ms(split.ttft_s),
+        split_ttft_ms=_ms(split_ttft),
+        bytes_transferred=moved.bytes_transferred,
+        transfers=moved.transfers,
+        xfer_ms=round(moved.xfer_seconds * 1000, 3),
+        link_mb_s=None if rate is None else round(rate / 1e6, 1),
+        external_kv_transfer=moved.external_kv_transfer,
+        local_compute=moved.local_compute,
+        params_keys=sorted(params or {}),
+        proved=moved.bytes_transferred > 0 and moved.external_kv_transfer >= 0.9 * n,
+    )
+
+
+@dataclass
+class SilentRecompute:
+    status: int
+    text_equal: bool
+    transfers: float
+    local_compute: float
+    prompt_tokens: int
+    prefill_kv_usage: float  # > 0: the prefill engine holds the orphaned blocks
+    detected: bool  # the decode engine's metrics show a recompute, not a pull
+
+
+def silent_recompute(client: httpx.Client, pair: PDPair, tokens: int) -> SilentRecompute:
+    """A decode leg whose params were stripped: 200 and the same text, but no pull."""
+    prompt = prompt_for(client, pair, tokens, "silent")
+    d = pair.decode.url
+    reset_cache(client, d)
+    time.sleep(pair.gap_s)
+    reference = decode_leg(client, d, pair.model, prompt, None, "silent-ref")
+    reset_cache(client, d)
+    rid = f"silent-{uuid.uuid4().hex[:8]}"
+    before = snapshot(client, d)
+    prefill_leg(client, pair, prompt, rid)
+    leg = decode_leg(client, d, pair.model, prompt, None, rid)
+    moved = snapshot(client, d) - before
+    n = _prompt_tokens(client, d, pair.model, prompt)
+    return SilentRecompute(
+        status=leg.status,
+        text_equal=leg.text == reference.text,
+        transfers=moved.transfers,
+        local_compute=moved.local_compute,
+        prompt_tokens=n,
+        prefill_kv_usage=kv_usage(client, pair.prefill.url),
+        detected=moved.transfers == 0 and moved.local_compute >= 0.9 * n,
+    )
+
+
+@dataclass
+class PDReport:
+    target: str
+    first_handoff_ms: float  # includes the NIXL handshake
+    handoffs: list[HandoffResult]
+    silent: SilentRecompute
+    notes: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return (
+            all(h.text_equal and h.proved for h in self.handoffs)
+            and self.silent.status == 200
+            and self.silent.detected
+        )
+
+    def failures(self) -> list[str]:
+        out = []
+        for h in self.handoffs:
+            if not h.text_equal:
+                out.append(f"{h.prompt_tokens} tokens: split text {h.split_text!r} != unsplit")
+            if not h.proved:
+                out.append(
+                    f"{h.prompt_tokens} tokens: no proof of a pull on the decode engine "
+                    f"(bytes {h.bytes_transferred:.0f}, external tokens "
+                    f"{h.external_kv_transfer:.0f})"
+                )
+        if not self.silent.detected:
+            out.append(f"a stripped decode leg was not seen as a recompute: {self.silent}")
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": self.ok, "failures": self.failures(), **asdict(self)}
+
+
+def run_handoffs(pair: PDPair, tokens: Sequence[int] = DEFAULT_TOKENS) -> PDReport:
+    """Every measurement and check above, on a started pair."""
+    with httpx.Client(timeout=120, trust_env=False) as client:
+        warm, _ = prefill_leg(client, pair, prompt_of(40, "warm"), "warm")
+        start = time.perf_counter()
+        first = decode_leg(client, pair.decode.url, pair.model, prompt_of(40, "warm"), warm, "warm")
+        first_ms = (time.perf_counter() - start) * 1000
+        if first.status != 200 or first.error:
+            raise RuntimeError(f"the first handoff failed: {first}")
+        handoffs = [measure(client, pair, n) for n in tokens]
+        silent = silent_recompute(client, pair, tokens[0])
+    return PDReport(pair.target, round(first_ms, 1), handoffs, silent, pair.notes)
+
+
+# ---- engines -------------------------------------------------------------------------------
+
+
+def vllm_pd_server(
+    model_dir: Path, role: str, core: str, side_port: int, log_dir: Path | None
+) -> VllmServer:
+    """A vLLM engine with NixlConnector, float32, on its own core and side-channel port."""
+    kv = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
+    env = {
+        "PYTHONPATH": str(NIXL_SITE),  # the progress-thread delay (sitecustomize)
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
+        "VLLM_CPU_OMP_THREADS_BIND": core,
+    }
+    return VllmServer(
+        model_dir,
+        num_gpu_blocks=PD_BLOCKS,
+        extra_args=["--kv-transfer-config", json.dumps(kv), "--dtype", "float32"],
+        env=env,
+        log_dir=log_dir / role if log_dir else None,
+    )
+
+
+def repin(server: VllmServer, core: str) -> int:
+    """Put every thread of the engine back on its core (NIXL's worker moved itself to the
+    last one); returns how many processes were re-pinned."""
+    pids = group_members(server.pid)
+    for pid in pids:
+        subprocess.run(
+            ["taskset", "-a", "-p", "-c", core, str(pid)],
+            check=False,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+    return len(pids)
+
+
+@contextlib.contextmanager
+def vllm_pair(
+    model_dir: Path = DEFAULT_MODEL_DIR,
+    log_dir: Path | None = None,
+    cores: tuple[str, str] = ("0", "1"),
+) -> Iterator[PDPair]:
+    model_dir = ensure_model(model_dir)
+    p_port, d_port = free_ports(2)
+    prefill = vllm_pd_server(model_dir, "kv_producer", cores[0], p_port, log_dir)
+    decode = vllm_pd_server(model_dir, "kv_consumer", cores[1], d_port, log_dir)
+    try:
+        prefill.start()
+        decode.start()
+        notes = [
+            f"startup {prefill.startup_s:.0f} s / {decode.startup_s:.0f} s",
+            f"re-pinned {repin(prefill, cores[0])} prefill and "
+            f"{repin(decode, cores[1])} decode processes",
+        ]
+        yield PDPair("vllm", prefill, decode, gap_s=1.1, notes=notes)
+    finally:
+        decode.stop()
+        prefill.stop()
+
+
+@contextlib.contextmanager
+def sim_pair(kv_bytes_per_token: int = 2048) -> Iterator[PDPair]:
+    common = ["--kv-bytes-per-token", str(kv_bytes_per_token)]
+    prefill = SimServer(num_gpu_blocks=PD_BLOCKS, extra_args=["--kv-role", "producer", *common])
+    decode = SimServer(num_gpu_blocks=PD_BLOCKS, extra_args=["--kv-role", "consumer", *common])
+    try:
+        prefill.start()
+        decode.start()
+        yield PDPair("sim", prefill, decode, gap_s=0.0)
+    finally:
+        decode.stop()
+        prefill.stop()
+
+
+def pd_pair(
+    target: str, model_dir: Path = DEFAULT_MODEL_DIR
+) -> contextlib.AbstractContextManager[PDPair]:
+    if target == "vllm":
+        return vllm_pair(model_dir)
+    if target == "sim":
+        return sim_pair()
+    raise ValueError(f"unknown target {target!r}: use vllm or sim")
+
+
+# ---- command line --------------------------------------------------------------------------
+
+
+def summary(report: PDReport) -> str:
+    lines = [f"P/D handoff on {report.target}: first handoff {report.first_handoff_ms:.0f} ms"]
+    for h in report.handoffs:
+        lines.append(
+            f"  {h.prompt_tokens:5d} tokens: {h.bytes_transferred / 1e6:7.2f} MB in "
+            f"{h.xfer_ms:7.2f} ms ({h.link_mb_s} MB/s); TTFT unsplit {h.unsplit_ttft_ms} ms, "
+            f"split {h.split_ttft_ms} ms (prefill leg {h.prefill_leg_ms} + decode "
+            f"{h.decode_ttft_ms}); text equal {h.text_equal}; proved {h.proved}"
+        )
+    s = report.silent
+    lines.append(
+        f"  stripped decode leg: HTTP {s.status}, transfers {s.transfers:.0f}, local compute "
+        f"{s.local_compute:.0f}/{s.prompt_tokens} tokens, prefill KV usage "
+        f"{s.prefill_kv_usage:.3f}; detected {s.detected}"
+    )
+    rates = [h.link_mb_s for h in report.handoffs if h.link_mb_s]
+    if rates:
+        lines.append(f"  median link {statistics.median(rates):.0f} MB/s")
+    lines += [f"  note: {n}" for n in report.notes]
+    lines.append("OK" if report.ok else "FAILED: " + "; ".join(report.failures()))
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", choices=("vllm", "sim"), default="vllm")
+    parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR)
+    parser.add_argument(
+        "--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="prompt lengths"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="write the report here")
+    args = parser.parse_args(argv)
+    tokens = [int(n) for n in args.tokens.split(",")]
+    with pd_pair(args.target, args.model_dir) as pair:
+        report = run_handoffs(pair, tokens)
+    print(summary(report))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    return 0 if report.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
