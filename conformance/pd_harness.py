@@ -10,11 +10,7 @@ the split text equals the unsplit text; the decode engine's /metrics prove the p
 grew by about the prompt length); a decode leg stripped of its params answers 200 and
 recomputes (`local_compute` grows, nothing moves) while the prefill engine holds the orphaned
 blocks (its `vllm:kv_cache_usage_perc` > 0) until the lease ends.
-
-Real vLLM on a small CPU host needs (DESIGN.md section 4): float32 on both engines (bfloat16
-dies with SIGILL on AMX CPUs at the first pull), distinct side-channel ports, a core each
-(VLLM_CPU_OMP_THREADS_BIND) and a re-pin after start (NIXL moves the worker to the last
-core), and the progress-thread delay patched through a `sitecustomize` on PYTHONPATH.
+The engines are started by `conformance.pd_engines` (with the real-vLLM gotchas handled).
 
     python -m conformance.pd_harness --target vllm --json out/pd-vllm.json
     python -m conformance.pd_harness --target sim
@@ -25,55 +21,24 @@ From a check: `with pd_pair("vllm") as pair: report = run_handoffs(pair)`.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
-import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import httpx
 
-from conformance.procs import free_ports, group_members
-from conformance.sim_server import SimServer
+from conformance.pd_engines import PDPair, pd_pair
 from conformance.targets import DEFAULT_MODEL_DIR
-from conformance.vllm_server import VllmServer, ensure_model
 from engines.sim.pd_metrics import PDSnapshot, pd_snapshot
 
-NIXL_SITE = Path(__file__).resolve().parent.parent / "engines" / "sim" / "nixl_site"
 DEFAULT_TOKENS = (256, 1024, 3000)
-PD_BLOCKS = 256  # KV blocks per engine: 8,160 tokens at block size 32
 MAX_TOKENS = 16
-
-
-class Server(Protocol):
-    model: str
-
-    @property
-    def url(self) -> str: ...
-    @property
-    def log_path(self) -> Path: ...
-    def stop(self) -> None: ...
-
-
-@dataclass
-class PDPair:
-    """A prefill engine and a decode engine that can hand KV over."""
-
-    target: str
-    prefill: Server
-    decode: Server
-    gap_s: float  # idle time before a timed request (a vLLM worker spins 1 s after a step)
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def model(self) -> str:
-        return self.prefill.model
 
 
 # ---- the two legs, by hand ----------------------------------------------------------------
@@ -83,9 +48,17 @@ class PDPair:
 class Leg:
     status: int
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)  # vLLM's return_token_ids
     ttft_s: float | None = None
     latency_s: float = 0.0
     error: str | None = None
+
+    def same_output(self, other: Leg) -> bool:
+        """Greedy outputs agree: by token ids where the engine returns them (a random tiny
+        model's tokens may decode to no text at all), else by non-empty text."""
+        if self.token_ids or other.token_ids:
+            return self.token_ids == other.token_ids
+        return bool(self.text) and self.text == other.text
 
 
 def prefill_leg(
@@ -127,6 +100,7 @@ def decode_leg(
         "temperature": 0.0,
         "ignore_eos": True,
         "stream": True,
+        "return_token_ids": True,
     }
     if params is not None:
         body["kv_transfer_params"] = params
@@ -150,9 +124,11 @@ def _take_sse(leg: Leg, line: str, start: float) -> None:
         leg.error = str(chunk["error"].get("message"))
         return
     for choice in chunk.get("choices", []):
-        if choice.get("text") and leg.ttft_s is None:
+        ids = choice.get("token_ids") or []
+        if (choice.get("text") or ids) and leg.ttft_s is None:
             leg.ttft_s = time.perf_counter() - start
         leg.text += choice.get("text") or ""
+        leg.token_ids += ids
 
 
 def snapshot(client: httpx.Client, url: str) -> PDSnapshot:
@@ -249,7 +225,7 @@ def _result(
     split_ttft = None if split.ttft_s is None else prefill_s + split.ttft_s
     return HandoffResult(
         prompt_tokens=n,
-        text_equal=bool(split.text) and split.text == unsplit.text,
+        text_equal=split.same_output(unsplit),
         split_text=split.text,
         unsplit_text=unsplit.text,
         unsplit_ttft_ms=_ms(unsplit.ttft_s),
@@ -294,7 +270,7 @@ def silent_recompute(client: httpx.Client, pair: PDPair, tokens: int) -> SilentR
     n = _prompt_tokens(client, d, pair.model, prompt)
     return SilentRecompute(
         status=leg.status,
-        text_equal=leg.text == reference.text,
+        text_equal=leg.same_output(reference),
         transfers=moved.transfers,
         local_compute=moved.local_compute,
         prompt_tokens=n,
@@ -316,6 +292,7 @@ class PDReport:
         return (
             all(h.text_equal and h.proved for h in self.handoffs)
             and self.silent.status == 200
+            and self.silent.text_equal
             and self.silent.detected
         )
 
@@ -352,91 +329,6 @@ def run_handoffs(pair: PDPair, tokens: Sequence[int] = DEFAULT_TOKENS) -> PDRepo
     return PDReport(pair.target, round(first_ms, 1), handoffs, silent, pair.notes)
 
 
-# ---- engines -------------------------------------------------------------------------------
-
-
-def vllm_pd_server(
-    model_dir: Path, role: str, core: str, side_port: int, log_dir: Path | None
-) -> VllmServer:
-    """A vLLM engine with NixlConnector, float32, on its own core and side-channel port."""
-    kv = {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu"}
-    env = {
-        "PYTHONPATH": str(NIXL_SITE),  # the progress-thread delay (sitecustomize)
-        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
-        "VLLM_CPU_OMP_THREADS_BIND": core,
-    }
-    return VllmServer(
-        model_dir,
-        num_gpu_blocks=PD_BLOCKS,
-        extra_args=["--kv-transfer-config", json.dumps(kv), "--dtype", "float32"],
-        env=env,
-        log_dir=log_dir / role if log_dir else None,
-    )
-
-
-def repin(server: VllmServer, core: str) -> int:
-    """Put every thread of the engine back on its core (NIXL's worker moved itself to the
-    last one); returns how many processes were re-pinned."""
-    pids = group_members(server.pid)
-    for pid in pids:
-        subprocess.run(
-            ["taskset", "-a", "-p", "-c", core, str(pid)],
-            check=False,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-    return len(pids)
-
-
-@contextlib.contextmanager
-def vllm_pair(
-    model_dir: Path = DEFAULT_MODEL_DIR,
-    log_dir: Path | None = None,
-    cores: tuple[str, str] = ("0", "1"),
-) -> Iterator[PDPair]:
-    model_dir = ensure_model(model_dir)
-    p_port, d_port = free_ports(2)
-    prefill = vllm_pd_server(model_dir, "kv_producer", cores[0], p_port, log_dir)
-    decode = vllm_pd_server(model_dir, "kv_consumer", cores[1], d_port, log_dir)
-    try:
-        prefill.start()
-        decode.start()
-        notes = [
-            f"startup {prefill.startup_s:.0f} s / {decode.startup_s:.0f} s",
-            f"re-pinned {repin(prefill, cores[0])} prefill and "
-            f"{repin(decode, cores[1])} decode processes",
-        ]
-        yield PDPair("vllm", prefill, decode, gap_s=1.1, notes=notes)
-    finally:
-        decode.stop()
-        prefill.stop()
-
-
-@contextlib.contextmanager
-def sim_pair(kv_bytes_per_token: int = 2048) -> Iterator[PDPair]:
-    common = ["--kv-bytes-per-token", str(kv_bytes_per_token)]
-    prefill = SimServer(num_gpu_blocks=PD_BLOCKS, extra_args=["--kv-role", "producer", *common])
-    decode = SimServer(num_gpu_blocks=PD_BLOCKS, extra_args=["--kv-role", "consumer", *common])
-    try:
-        prefill.start()
-        decode.start()
-        yield PDPair("sim", prefill, decode, gap_s=0.0)
-    finally:
-        decode.stop()
-        prefill.stop()
-
-
-def pd_pair(
-    target: str, model_dir: Path = DEFAULT_MODEL_DIR
-) -> contextlib.AbstractContextManager[PDPair]:
-    if target == "vllm":
-        return vllm_pair(model_dir)
-    if target == "sim":
-        return sim_pair()
-    raise ValueError(f"unknown target {target!r}: use vllm or sim")
-
-
 # ---- command line --------------------------------------------------------------------------
 
 
@@ -471,9 +363,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="prompt lengths"
     )
     parser.add_argument("--json", type=Path, default=None, help="write the report here")
+    parser.add_argument(
+        "--link-mb-s", type=float, default=None, help="sim only: emulate a link this fast"
+    )
     args = parser.parse_args(argv)
     tokens = [int(n) for n in args.tokens.split(",")]
-    with pd_pair(args.target, args.model_dir) as pair:
+    with pd_pair(args.target, args.model_dir, args.link_mb_s) as pair:
         report = run_handoffs(pair, tokens)
     print(summary(report))
     if args.json is not None:

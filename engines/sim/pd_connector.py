@@ -8,40 +8,36 @@ ends (counted in `vllm:nixl_num_kv_expired_reqs`, as vLLM does); heartbeats (`"H
 extend a lease.
 
 Decode side (params say `do_remote_prefill`): the scheduler allocates the prompt's blocks
-and calls `load`, which handshakes with the prefill worker's side channel (once per remote
-engine), READs with NIXL only the blocks not already cached here, sleeps the rest of the
-emulated link's time (`--link-mb-s`), notifies the prefill side, checks the blocks' tags and
-records vLLM's transfer metrics. A failure is counted and handled by
-`kv_load_failure_policy`: fail the request (500) or recompute it here.
-
-Errors real vLLM does not survive (malformed block ids) fail the request with a 500 and a
-log line that says so.
+and calls `load`, which pulls them (`engines.sim.pd_pull`); while a request waits here for
+its pull, its prefill engine gets heartbeats. A failed pull is handled by
+`kv_load_failure_policy`: fail the request (500) or recompute it here. Errors real vLLM does
+not survive (malformed block ids) fail the request with a 500 and a log line that says so.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import zmq.asyncio
 
-from engines.sim.kvcache import cdiv
 from engines.sim.pd_config import KVTransferConfig
 from engines.sim.pd_metrics import NixlMetrics
-from engines.sim.pd_nixl import NixlKV, RemoteAgent, block_tags
+from engines.sim.pd_nixl import NixlKV, block_tags
+from engines.sim.pd_pull import Link, Puller
 from engines.sim.pd_wire import (
     HEARTBEAT_PREFIX,
-    HandshakeError,
     NixlHandshakePayload,
     RemoteParams,
+    SideChannel,
     compatibility_hash,
-    handshake,
     producer_params,
     wants_remote_decode,
 )
@@ -52,7 +48,6 @@ from indexer.clock import Clock, MonotonicClock
 log = logging.getLogger("kvroute.sim.pd")
 
 POLL_S = 0.002  # how often leases and notifications are looked at while any exist
-CRASH_NOTE = "real vLLM 0.32 would crash here (the API server exits); the simulator answers 500"
 
 
 @dataclass
@@ -62,14 +57,9 @@ class Lease:
 
 
 @dataclass
-class PDCounters:
-    """The simulator's own tallies (`/sim/stats`), beside vLLM's metrics."""
+class LeaseCounters:
+    """The simulator's own tallies of leases (`/sim/stats`), beside vLLM's metrics."""
 
-    pulls: int = 0
-    pulled_blocks: int = 0
-    pulled_bytes: int = 0
-    failed_pulls: int = 0
-    tag_mismatches: int = 0
     leases: int = 0
     leases_read: int = 0
     leases_expired: int = 0
@@ -97,39 +87,36 @@ class NixlConnector:
         self.release = release  # frees a retained request's blocks (the worker's job)
         self.clock: Clock = clock or MonotonicClock()
         self.recompute_failed_loads = config.load_failure_policy == "recompute"
-        self.counters = PDCounters()
+        self.lease_counters = LeaseCounters()
         self.leases: dict[str, Lease] = {}
         self.waiting_pulls: dict[str, set[str]] = {}  # remote engine -> its request ids
-        self._remotes: dict[str, asyncio.Task[RemoteAgent]] = {}
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._ctx: zmq.asyncio.Context | None = None
         self.kv: NixlKV | None = None
+        self.puller: Puller | None = None
         self.side_channel_port: int | None = None
 
     # ---- lifecycle (the worker's lifespan) ------------------------------------------------
 
     async def start(self) -> None:
-        from engines.sim.pd_wire import SideChannel
-
-        self.kv = NixlKV(f"kvroute-sim-{self.engine_id}", self.num_blocks, self.block_bytes)
-        self._ctx = zmq.asyncio.Context()
-        meta = self.kv.agent_metadata(self.engine_id, self.block_size)
-        payload = NixlHandshakePayload(self.compat, msgspec.msgpack.encode(meta))
         c = self.config
-        side = SideChannel(
-            self._ctx, c.side_channel_host, c.side_channel_port, msgspec.msgpack.encode(payload)
-        )
+        self.kv = kv = NixlKV(f"kvroute-sim-{self.engine_id}", self.num_blocks, self.block_bytes)
+        self._ctx = zmq.asyncio.Context()
+        meta = msgspec.msgpack.encode(kv.agent_metadata(self.engine_id, self.block_size))
+        payload = msgspec.msgpack.encode(NixlHandshakePayload(self.compat, meta))
+        side = SideChannel(self._ctx, c.side_channel_host, c.side_channel_port, payload)
         self.side_channel_port = side.port
+        link = Link(
+            self.block_size, self.block_bytes, self.compat, c.link_mb_s, self.recompute_failed_loads
+        )
+        self.puller = Puller(kv, self._ctx, link, self.metrics)
         self._tasks = [
             asyncio.create_task(self._serve(side), name="nixl-side-channel"),
             asyncio.create_task(self._poll(), name="nixl-leases"),
         ]
 
-    async def _serve(self, side: object) -> None:
-        from engines.sim.pd_wire import SideChannel
-
-        assert isinstance(side, SideChannel)
+    async def _serve(self, side: SideChannel) -> None:
         try:
             await side.serve()
         finally:
@@ -137,12 +124,13 @@ class NixlConnector:
 
     async def stop(self) -> None:
         tasks, self._tasks = self._tasks, []
-        for task in [*tasks, *self._remotes.values()]:
+        for task in tasks:
             task.cancel()
-        for task in [*tasks, *self._remotes.values()]:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        self._remotes.clear()
+        if self.puller is not None:
+            await self.puller.close()
         if self.kv is not None:
             self.kv.close()
         if self._ctx is not None:
@@ -162,6 +150,11 @@ class NixlConnector:
             "kv_lease_duration": c.lease_s,
             "kv_load_failure_policy": c.load_failure_policy,
         }
+
+    def stats(self) -> dict[str, Any]:
+        """The simulator's own tallies, for `/sim/stats`."""
+        pulls = dataclasses.asdict(self.puller.counters) if self.puller else {}
+        return {**pulls, **dataclasses.asdict(self.lease_counters), "leases_held": len(self.leases)}
 
     # ---- prefill side ---------------------------------------------------------------------
 
@@ -186,7 +179,7 @@ class NixlConnector:
             cached_tokens=max(req.num_cached_tokens, 0),
         )
         self.leases[req.request_id] = Lease(req, self.clock.now() + self.config.lease_s)
-        self.counters.leases += 1
+        self.lease_counters.leases += 1
         self._wake.set()
         return True
 
@@ -202,9 +195,9 @@ class NixlConnector:
                 self._on_notification(message.decode("utf-8", "replace"))
             now = self.clock.now()
             self._expire(now)
-            if now - last_heartbeat >= self.config.lease_s / 6:
+            if self.puller is not None and now - last_heartbeat >= self.config.lease_s / 6:
                 last_heartbeat = now
-                self._heartbeat()
+                self.puller.heartbeat(self.waiting_pulls)
             await asyncio.sleep(POLL_S)
 
     def _on_notification(self, message: str) -> None:
@@ -224,14 +217,14 @@ class NixlConnector:
                 rid,
             )
             return
-        self.counters.leases_read += 1
+        self.lease_counters.leases_read += 1
         self.release(lease.request)
 
     def _expire(self, now: float) -> None:
         for rid in [r for r, lease in self.leases.items() if now >= lease.expires]:
             lease = self.leases.pop(rid)
             self.metrics.kv_expired.inc()
-            self.counters.leases_expired += 1
+            self.lease_counters.leases_expired += 1
             log.warning(
                 "Releasing expired KV blocks for request %s which were retrieved by 0 remote "
                 "worker(s) before lease expired.",
@@ -256,148 +249,12 @@ class NixlConnector:
             if not ids:
                 del self.waiting_pulls[remote.engine_id]
 
-    def _heartbeat(self) -> None:
-        assert self.kv is not None
-        for engine_id, ids in self.waiting_pulls.items():
-            task = self._remotes.get(engine_id)
-            if task is None or not task.done() or _failed(task):
-                continue
-            with contextlib.suppress(Exception):
-                self.kv.notify(task.result(), (HEARTBEAT_PREFIX + ",".join(ids)).encode())
-
     def missing_blocks(self, remote: RemoteParams, prompt_tokens: int, cached: int) -> int:
-        """Blocks the decode side needs beyond what the params offer (0: enough). vLLM
-        asserts on a shortfall and its engine dies."""
-        needed = cdiv(prompt_tokens, self.block_size) - cached // self.block_size
-        return max(needed - len(remote.block_ids), 0)
+        assert self.puller is not None
+        return self.puller.missing_blocks(remote, prompt_tokens, cached)
 
     async def load(self, req: SimRequest) -> LoadResult:
         """Pull the blocks of `req` it does not hold yet (the engine calls this)."""
-        remote = req.remote
-        assert isinstance(remote, RemoteParams)
+        assert isinstance(req.remote, RemoteParams) and self.puller is not None
         self._forget_waiting(req)
-        local = [b.block_id for b in req.blocks[req.num_computed // self.block_size :]]
-        if len(remote.block_ids) < len(local):
-            log.error(
-                "request %s: remote_block_ids has %d blocks, %d are needed; %s",
-                req.request_id,
-                len(remote.block_ids),
-                len(local),
-                CRASH_NOTE,
-            )
-            return "fatal"
-        try:
-            agent = await self._remote(remote)
-        except (HandshakeError, OSError, RuntimeError) as exc:
-            return self._failed(req, f"handshake with {remote.host}:{remote.port}: {exc}")
-        return await self._read(req, remote, agent, local)
-
-    async def _read(
-        self, req: SimRequest, remote: RemoteParams, agent: RemoteAgent, local: list[int]
-    ) -> LoadResult:
-        assert self.kv is not None
-        remote_ids = list(remote.block_ids[len(remote.block_ids) - len(local) :])
-        start = time.perf_counter()
-        try:
-            handle = self.kv.post_read(agent, local, remote_ids)
-            posted = time.perf_counter() - start
-            state = await self._wait(handle)
-        except Exception as exc:  # NIXL raises its own error types
-            state = f"ERR ({exc})"
-        if state != "DONE":
-            self._drop_remote(remote.engine_id)
-            return self._failed(req, f"NIXL READ from {remote.engine_id}: {state}")
-        nbytes = len(local) * self.block_bytes
-        await self._throttle(nbytes, time.perf_counter() - start)
-        xfer_s = time.perf_counter() - start
-        self._notify(agent, remote)
-        self.metrics.transfer(nbytes, len(local), posted, xfer_s)
-        self._check_tags(req, local)
-        self.counters.pulls += 1
-        self.counters.pulled_blocks += len(local)
-        self.counters.pulled_bytes += nbytes
-        return "ok"
-
-    async def _wait(self, handle: object) -> str:
-        """Poll the transfer on the loop (NIXL is not locked for other threads): spin for
-        the first milliseconds, then yield a millisecond at a time."""
-        assert self.kv is not None
-        spin_until = time.perf_counter() + 0.002
-        try:
-            while (state := self.kv.state(handle)) == "PROC":
-                await asyncio.sleep(0 if time.perf_counter() < spin_until else 0.001)
-            return state
-        finally:
-            self.kv.release(handle)
-
-    async def _throttle(self, nbytes: int, elapsed_s: float) -> None:
-        """Emulate `--link-mb-s`: wait for the time the bytes would still need."""
-        if self.config.link_mb_s is None:
-            return
-        missing = nbytes / (self.config.link_mb_s * 1e6) - elapsed_s
-        if missing > 0:
-            await asyncio.sleep(missing)
-
-    def _notify(self, agent: RemoteAgent, remote: RemoteParams) -> None:
-        """Tell the prefill side its blocks may go (after the throttle, so that a slow link
-        holds them as long as a real one would)."""
-        assert self.kv is not None
-        try:
-            self.kv.notify(agent, remote.notification)
-        except Exception as exc:
-            self.metrics.failed(notification=True)
-            log.warning(
-                "notification to %s failed (%s); its blocks are freed when the lease ends",
-                remote.engine_id,
-                exc,
-            )
-
-    def _check_tags(self, req: SimRequest, local: list[int]) -> None:
-        assert self.kv is not None
-        n_blocks = cdiv(req.num_prompt_tokens, self.block_size)
-        expected = block_tags(req.prompt_ids, self.block_size, n_blocks)[-len(local) :]
-        if self.kv.tags(local) != expected:
-            self.counters.tag_mismatches += 1
-            log.warning(
-                "request %s: pulled blocks do not hold this prompt's KV (params of another "
-                "request, or blocks reused after their lease); vLLM would decode from them",
-                req.request_id,
-            )
-
-    def _failed(self, req: SimRequest, why: str) -> LoadResult:
-        self.metrics.failed()
-        self.counters.failed_pulls += 1
-        then = "recomputing locally" if self.recompute_failed_loads else "failing the request"
-        log.warning("KV pull for %s failed: %s; %s", req.request_id, why, then)
-        return "failed"
-
-    async def _remote(self, remote: RemoteParams) -> RemoteAgent:
-        """The prefill engine's agent, handshaking once per engine (concurrent pulls share
-        one handshake; a failed one is retried by the next pull)."""
-        task = self._remotes.get(remote.engine_id)
-        if task is None or (task.done() and _failed(task)):
-            task = asyncio.create_task(self._connect(remote), name=f"nixl-hs-{remote.engine_id}")
-            self._remotes[remote.engine_id] = task
-        return await asyncio.shield(task)
-
-    async def _connect(self, remote: RemoteParams) -> RemoteAgent:
-        assert self._ctx is not None and self.kv is not None
-        meta = await handshake(self._ctx, remote.host, remote.port, remote.engine_id, self.compat)
-        if meta.block_size != self.block_size or meta.block_lens != [self.block_bytes]:
-            raise HandshakeError(
-                f"remote blocks are {meta.block_size} tokens / {meta.block_lens} bytes, "
-                f"here {self.block_size} / {self.block_bytes}: use the same --block-size "
-                "and --kv-bytes-per-token on both sides"
-            )
-        return self.kv.add_remote(meta)
-
-    def _drop_remote(self, engine_id: str) -> None:
-        """Forget a peer after a failed READ, so that the next pull handshakes again."""
-        task = self._remotes.pop(engine_id, None)
-        if task is not None and task.done() and not _failed(task) and self.kv:
-            with contextlib.suppress(Exception):
-                self.kv.remove_remote(task.result())
-
-
-def _failed(task: asyncio.Task[RemoteAgent]) -> bool:
-    return task.cancelled() or task.exception() is not None
+        return await self.puller.pull(req, req.remote)

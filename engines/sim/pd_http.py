@@ -7,7 +7,7 @@ import logging
 import uuid
 from typing import TYPE_CHECKING
 
-from engines.sim.pd_connector import CRASH_NOTE
+from engines.sim.pd_pull import CRASH_NOTE
 from engines.sim.pd_wire import MalformedParams, RemoteParams
 from engines.sim.protocol import ApiError, GenerateRequest
 
