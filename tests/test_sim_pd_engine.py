@@ -4,16 +4,22 @@ NIXL: a fake loader on simulated time (`VirtualClock`), asserted on simulated ti
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import pytest
+from prometheus_client import CollectorRegistry
 
+from engines.sim.blockpool import Block
 from engines.sim.config import ConfigError, SimConfig
 from engines.sim.engine import Output, VirtualClock
 from engines.sim.pd_config import KVTransferConfig, PDConfigError, from_vllm_json
+from engines.sim.pd_connector import NixlConnector
+from engines.sim.pd_metrics import NixlMetrics
 from engines.sim.request import Sampling, SimRequest
 from engines.sim.scheduler import LoadResult
 from engines.sim.worker import SimWorker
 from engines.vllm.events import BlockStored, WireEvent
+from indexer.clock import FakeClock
 from router.cli import build_parser
 
 BS = 16
@@ -219,3 +225,97 @@ def test_bad_pd_flags_fail_naming_the_flag(argv: list[str], names: str) -> None:
 def test_a_bad_policy_is_refused() -> None:
     with pytest.raises(PDConfigError, match="fail or recompute"):
         KVTransferConfig(load_failure_policy="retry").validate()
+
+
+# ---- the prefill side's leases, without NIXL --------------------------------------------------
+
+
+class FakeKV:
+    """Stands in for the NIXL agent: notifications a test queues, tags it ignores."""
+
+    def __init__(self) -> None:
+        self.inbox: list[bytes] = []
+
+    def write_tags(self, block_ids: object, tags: object) -> None:
+        pass
+
+    def notifications(self) -> list[bytes]:
+        out, self.inbox = self.inbox, []
+        return out
+
+
+@dataclass
+class Rig:
+    """A prefill-side connector on a fake clock, its fake agent and what it released."""
+
+    connector: NixlConnector
+    kv: FakeKV
+    clock: FakeClock
+    released: list[SimRequest]
+    registry: CollectorRegistry
+
+    def counted(self, name: str) -> float | None:
+        return self.registry.get_sample_value(name, {"model_name": "m", "engine": "0"})
+
+
+def leasing(lease_s: float = 30.0) -> Rig:
+    registry, released, clock, kv = CollectorRegistry(), [], FakeClock(), FakeKV()
+    connector = NixlConnector(
+        KVTransferConfig(role="kv_producer", lease_s=lease_s),
+        block_size=BS,
+        num_blocks=64,
+        model="m",
+        metrics=NixlMetrics(registry, ("m", "0")),
+        release=released.append,
+        clock=clock,
+    )
+    connector.kv = kv  # type: ignore[assignment]
+    return Rig(connector, kv, clock, released, registry)
+
+
+def finished_prefill(rid: str) -> SimRequest:
+    req = SimRequest(
+        rid, list(range(40)), Sampling(1), kv_transfer_params={"do_remote_decode": True}
+    )
+    req.blocks = [Block(i) for i in (5, 6, 7)]
+    req.num_computed = 40
+    req.finish_reason = "length"
+    return req
+
+
+def test_a_prefill_leg_returns_vllms_params_and_holds_its_blocks() -> None:
+    rig = leasing()
+    req = finished_prefill("cmpl-x-0-abcdef12")
+    assert rig.connector.on_finished(req) is True
+    out = req.kv_transfer_out
+    assert out is not None and out["remote_block_ids"] == [[5, 6, 7]]
+    assert out["remote_request_id"] == "cmpl-x-0-abcdef12" and out["remote_num_tokens"] == 40
+    rig.kv.inbox.append(b"cmpl-x-0-abcdef12:1")
+    for message in rig.kv.notifications():
+        rig.connector._on_notification(message.decode())
+    assert rig.released == [req] and not rig.connector.leases
+
+
+def test_leases_expire_heartbeats_extend_them_and_late_reads_are_counted() -> None:
+    rig = leasing(lease_s=30)
+    a, b = finished_prefill("a"), finished_prefill("b")
+    rig.connector.on_finished(a)
+    rig.connector.on_finished(b)
+    rig.clock.advance(20)
+    rig.connector._on_notification("HB:b,unknown")
+    rig.clock.advance(11)
+    rig.connector._expire(rig.clock.now())
+    assert rig.released == [a] and list(rig.connector.leases) == ["b"]  # b's was renewed
+    assert rig.counted("vllm:nixl_num_kv_expired_reqs_total") == 1
+    rig.connector._on_notification("a:1")  # D read a after its blocks went back
+    assert rig.counted("vllm:nixl_num_notifications_after_expiry_total") == 1
+
+
+def test_aborted_or_plain_requests_are_not_held() -> None:
+    connector = leasing().connector
+    aborted = finished_prefill("c")
+    aborted.finish_reason = "abort"
+    plain = finished_prefill("d")
+    plain.kv_transfer_params = None
+    assert connector.on_finished(aborted) is False and connector.on_finished(plain) is False
+    assert aborted.kv_transfer_out is None and not connector.leases
