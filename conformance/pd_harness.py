@@ -32,10 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import zmq
 
 from conformance.pd_engines import PDPair, pd_pair
 from conformance.targets import DEFAULT_MODEL_DIR
 from engines.sim.pd_metrics import PDSnapshot, pd_snapshot
+from engines.vllm.events import BlockStored, decode_wire
 
 DEFAULT_TOKENS = (256, 1024, 3000)
 MAX_TOKENS = 16
@@ -147,6 +149,38 @@ def reset_cache(client: httpx.Client, url: str) -> bool:
     return r.status_code == 200 and r.json().get("success", True) is not False
 
 
+def replayed(endpoint: str) -> list[tuple[int, list[BlockStored]]]:
+    """(sequence, BlockStored events) of every batch the engine still buffers."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    out: list[tuple[int, list[BlockStored]]] = []
+    try:
+        sock.connect(endpoint)
+        sock.send_multipart([b"", (0).to_bytes(8, "big")])
+        while sock.poll(5000):
+            frames = sock.recv_multipart()
+            seq = int.from_bytes(frames[2], "big", signed=True)
+            if seq < 0:
+                break
+            batch, _ = decode_wire(frames[3])
+            out.append((seq, [e for e in batch.events if isinstance(e, BlockStored)]))
+    finally:
+        sock.close()
+        ctx.term()
+    return out
+
+
+def stored_tokens_since(endpoint: str, after_seq: int) -> list[int]:
+    """Token ids of the blocks the engine published as stored after `after_seq`."""
+    batches = [events for seq, events in replayed(endpoint) if seq > after_seq]
+    return [t for events in batches for e in events for t in e.token_ids]
+
+
+def last_seq(endpoint: str) -> int:
+    return max((seq for seq, _ in replayed(endpoint)), default=-1)
+
+
 def prompt_of(words: int, tag: str) -> str:
     return " ".join(f"{tag}{i % 97} item{i}" for i in range(words))
 
@@ -183,6 +217,7 @@ class HandoffResult:
     local_compute: float
     params_keys: list[str]
     proved: bool  # bytes moved and external tokens ~ the prompt
+    pulled_blocks_published: bool = False  # BlockStored for the prompt's full blocks on D
 
 
 def measure(client: httpx.Client, pair: PDPair, tokens: int) -> HandoffResult:
@@ -194,19 +229,34 @@ def measure(client: httpx.Client, pair: PDPair, tokens: int) -> HandoffResult:
     reset_cache(client, d)
     time.sleep(pair.gap_s)
     rid = f"pd-{uuid.uuid4().hex[:8]}"
-    before = snapshot(client, d)
+    before, seq = snapshot(client, d), last_seq(pair.decode.replay_endpoint)
     params, prefill_s = prefill_leg(client, pair, prompt, rid)
     split = decode_leg(client, d, pair.model, prompt, params, rid)
     moved = snapshot(client, d) - before
-    n = _prompt_tokens(client, d, pair.model, prompt)
-    return _result(n, unsplit, split, prefill_s, moved, params)
+    ids = _prompt_ids(client, d, pair.model, prompt)
+    stored = stored_tokens_since(pair.decode.replay_endpoint, seq)
+    result = _result(len(ids), unsplit, split, prefill_s, moved, params)
+    full = (len(ids) // block_size(params)) * block_size(params)
+    result.pulled_blocks_published = full > 0 and stored[:full] == ids[:full]
+    return result
+
+
+def block_size(params: dict[str, Any] | None) -> int:
+    """Tokens per block, from the params (remote_num_tokens over the blocks offered)."""
+    if not params or not params.get("remote_block_ids"):
+        return 1
+    blocks = len(params["remote_block_ids"][0])
+    return max(-(-int(params.get("remote_num_tokens") or 0) // blocks), 1)
+
+
+def _prompt_ids(client: httpx.Client, url: str, model: str, prompt: str) -> list[int]:
+    body = {"model": model, "prompt": prompt}
+    ids: list[int] = client.post(url + "/tokenize", json=body).json()["tokens"]
+    return ids
 
 
 def _prompt_tokens(client: httpx.Client, url: str, model: str, prompt: str) -> int:
-    count: int = client.post(url + "/tokenize", json={"model": model, "prompt": prompt}).json()[
-        "count"
-    ]
-    return count
+    return len(_prompt_ids(client, url, model, prompt))
 
 
 def _ms(s: float | None) -> float | None:
@@ -290,7 +340,7 @@ class PDReport:
     @property
     def ok(self) -> bool:
         return (
-            all(h.text_equal and h.proved for h in self.handoffs)
+            all(h.text_equal and h.proved and h.pulled_blocks_published for h in self.handoffs)
             and self.silent.status == 200
             and self.silent.text_equal
             and self.silent.detected
@@ -301,6 +351,8 @@ class PDReport:
         for h in self.handoffs:
             if not h.text_equal:
                 out.append(f"{h.prompt_tokens} tokens: split text {h.split_text!r} != unsplit")
+            if not h.pulled_blocks_published:
+                out.append(f"{h.prompt_tokens} tokens: no BlockStored for the pulled blocks")
             if not h.proved:
                 out.append(
                     f"{h.prompt_tokens} tokens: no proof of a pull on the decode engine "
@@ -339,7 +391,8 @@ def summary(report: PDReport) -> str:
             f"  {h.prompt_tokens:5d} tokens: {h.bytes_transferred / 1e6:7.2f} MB in "
             f"{h.xfer_ms:7.2f} ms ({h.link_mb_s} MB/s); TTFT unsplit {h.unsplit_ttft_ms} ms, "
             f"split {h.split_ttft_ms} ms (prefill leg {h.prefill_leg_ms} + decode "
-            f"{h.decode_ttft_ms}); text equal {h.text_equal}; proved {h.proved}"
+            f"{h.decode_ttft_ms}); text equal {h.text_equal}; proved {h.proved}; "
+            f"BlockStored {h.pulled_blocks_published}"
         )
     s = report.silent
     lines.append(
