@@ -7,10 +7,11 @@ STAMP := $(VENV)/.kvroute-installed
 .PHONY: test demo lint typecheck unit venv clean conformance
 
 # the compiled index core is built by the install: rebuild when its sources change
-$(STAMP): pyproject.toml $(wildcard indexer/csrc/*.c indexer/csrc/*.h)
+$(STAMP): pyproject.toml conformance/install_nixl.sh $(wildcard indexer/csrc/*.c indexer/csrc/*.h)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	bash conformance/install_nixl.sh $(VENV)  # NIXL for P/D: --no-deps, so not a pip extra
 	@touch $(STAMP)
 
 venv: $(STAMP)
