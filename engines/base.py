@@ -6,7 +6,7 @@ engine: wording such as "start vLLM with ..." comes from here."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from indexer.events import EventBatch
@@ -24,6 +24,15 @@ class EventSource:
 
 
 @dataclass(frozen=True)
+class RankLoad:
+    """Load gauges of one data-parallel rank (vLLM's `engine` label)."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float | None = None
+
+
+@dataclass(frozen=True)
 class EngineMetrics:
     running: float = 0.0
     waiting: float = 0.0
@@ -34,6 +43,7 @@ class EngineMetrics:
     hash_algo: str | None = None
     prefix_queries: float | None = None
     prefix_hits: float | None = None
+    by_rank: dict[int, RankLoad] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,14 @@ class HealthTracker:
             self._pending_since = self._clock.now()
         self._pending_requests += 1
 
+    def withdraw_request(self) -> None:
+        """A request noted as expecting new blocks was refused by the engine (a client's
+        4xx): it will publish nothing for it."""
+        if self._pending_requests > 0:
+            self._pending_requests -= 1
+        if self._pending_requests == 0:
+            self._pending_since = None
+
     def note_stored(self) -> None:
         self._ever_stored = True
         self._last_stored = self._clock.now()

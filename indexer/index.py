@@ -1,32 +1,26 @@
 """The prefix index: which workers hold which router block hashes, and in which tier.
 
-Layout, chosen for lookup speed from Python:
-- each worker gets a bit; `_masks[router_hash]` is the set of workers holding that block in
-  the default tier (GPU), other tiers keep their own mask maps (usually empty);
-- per worker, `eng` maps engine hash -> router hash (BlockRemoved and parent chaining carry
-  engine hashes only), `kids` counts held children per parent, and `holes` counts held blocks
-  whose parent this worker does not hold.
+`PrefixIndex` is the public face; the bookkeeping lives in a backend core with one contract:
+`indexer._cindex.Core` (C, compact: ~60-90 bytes per entry) when the extension was built,
+else `indexer.index_py.PyCore` (plain dicts, ~180 bytes per entry). Both keep, per worker,
+block id -> router hash in first-store order, held-children counts and a hole count, so
+`find_matches` can binary-search a request's chain while no worker has holes
+(`indexer.index_py` explains the layout). The behavioural tests run against both.
 
-When no worker has holes (what vLLM's tail-first LRU eviction produces), the mask along a
-request's chain can only shrink, so `find_matches` binary-searches for the points where it
-shrinks instead of touching every block. With holes anywhere it scans linearly; both paths
-give the same answer.
-
-At the `max_entries` bound (worker x block pairs) the storing worker's oldest stored block is
-dropped first (FIFO by store time) and `evicted_at_bound` counts it. Prefixes through a dropped
-block stop matching until the worker stores it again; size the bound above the fleet's total
-KV blocks so it only trips when events were lost.
+Entries are worker x block pairs. At the `max_entries` bound the storing worker's oldest
+stored block is dropped first (FIFO by store time) and `evicted_at_bound` counts it; a
+worker given a cap (`set_worker_cap`, from its real KV capacity) drops its own oldest block
+at that cap, counted by `evicted_at_cap(worker)`. Prefixes through a dropped block stop
+matching until the worker stores it again; size the bound above the fleet's total KV blocks
+so it only trips when events were lost.
 """
 
 from __future__ import annotations
 
-import sys
+import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from functools import reduce
-from itertools import repeat
-from operator import or_
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 import xxhash
 
@@ -38,9 +32,12 @@ from indexer.hashing import (
     hash_blocks,
     tokens_to_bytes,
 )
+from indexer.index_py import PyCore
 
 _xxh3 = xxhash.xxh3_64_intdigest
 
+DEFAULT_MAX_ENTRIES = 4_000_000
+"""The default bound on worker x block entries (the router's `max_index_entries`)."""
 
 _TIER_RANK = {DEFAULT_TIER: 0, "CPU": 1, "DISK": 2, "STORAGE": 2}
 
@@ -78,128 +75,154 @@ class ApplyResult:
     unknown_parent: int = 0
     unknown_removed: int = 0
     evicted_at_bound: int = 0
+    evicted_at_cap: int = 0
 
 
-@dataclass
-class _Worker:
-    name: str
-    bit: int
-    model: str
-    eng: dict[EngineBlockHash, RouterBlockHash] = field(default_factory=dict)
-    kids: dict[int, int] = field(default_factory=dict)
-    holes: int = 0
-    # vLLM can cache a second copy of a block (same hash) and then publishes BlockStored
-    # again and one BlockRemoved per copy: (engine hash, tier) -> copies beyond the first.
-    copies: dict[tuple[EngineBlockHash, str], int] = field(default_factory=dict)
-    entries: int = 0
+class Core(Protocol):
+    """What a backend provides; workers are small ints (`wid`), block ids opaque ints."""
+
+    backend: str
+    max_entries: int
+    entries: int
+    holes_total: int
+    evicted_at_bound: int
+
+    def add_worker(self, wid: int, name: str) -> None: ...
+    def remove_worker(self, wid: int) -> None: ...
+    def set_cap(self, wid: int, cap: int | None) -> int: ...
+    def clear(self, wid: int) -> int: ...
+    def store(
+        self,
+        wid: int,
+        tier: str,
+        ids: Sequence[int],
+        router_hashes: Sequence[int],
+        parent: int | None,
+        count_copies: bool,
+    ) -> tuple[int, int, int]: ...
+    def remove(self, wid: int, tier: str, ids: Sequence[int]) -> tuple[int, int]: ...
+    def find_matches(self, router_hashes: Sequence[int]) -> dict[str, Overlap]: ...
+    def resolve(self, wid: int, block_id: int) -> int | None: ...
+    def entries_of(self, wid: int) -> int: ...
+    def evicted_at_cap(self, wid: int) -> int: ...
+    def blocks(self) -> int: ...
+    def holds(self, wid: int) -> set[int]: ...
+    def held_any(self, rh: int, wid: int) -> bool: ...
+    def parent(self, rh: int) -> int | None: ...
+    def dump(self, wid: int) -> tuple[list[tuple[int, int]], dict[int, int], int, int]: ...
+    def memory_bytes(self) -> int: ...
+
+
+def available_backends() -> list[str]:
+    """Backends this install can run, preferred first."""
+    try:
+        import indexer._cindex  # noqa: F401
+    except ImportError:
+        return ["python"]
+    return ["c", "python"]
+
+
+def _make_core(backend: str | None, max_entries: int) -> Core:
+    name = backend or os.environ.get("KVROUTE_INDEX_BACKEND") or available_backends()[0]
+    if name == "python":
+        return PyCore(max_entries, Overlap, tier_rank)
+    if name == "c":
+        from indexer._cindex import Core as CCore
+
+        return CCore(max_entries, Overlap, tier_rank, DEFAULT_TIER)
+    raise ValueError(f"unknown index backend {name!r} (expected 'c' or 'python')")
 
 
 class PrefixIndex:
-    """Router block hash -> workers (and tiers) holding it. Pure: no IO, no clock."""
+    """Router block hash -> workers (and tiers) holding it. Pure: no IO, no clock.
 
-    def __init__(self, max_entries: int = 20_000_000) -> None:
+    `backend`: "c" or "python"; default: $KVROUTE_INDEX_BACKEND, else C when built."""
+
+    def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, backend: str | None = None) -> None:
         if max_entries <= 0:
             raise ValueError("max_entries must be positive")
-        self.max_entries = max_entries
-        self._workers: dict[str, _Worker] = {}
-        self._by_bit: dict[int, _Worker] = {}
-        self._free_bits: list[int] = []
-        self._next_bit = 0
-        self._masks: dict[int, int] = {}
-        self._other: dict[str, dict[int, int]] = {}
-        self._parent: dict[int, int | None] = {}
-        self._entries = 0
-        self._holes_total = 0
-        self.evicted_at_bound = 0
+        self._core = _make_core(backend, max_entries)
+        self.backend = self._core.backend
+        self._wids: dict[str, int] = {}
+        self._models: dict[str, str] = {}
+        self._free_wids: list[int] = []
+
+    @property
+    def max_entries(self) -> int:
+        return self._core.max_entries
+
+    @property
+    def evicted_at_bound(self) -> int:
+        return self._core.evicted_at_bound
 
     # ---- workers -------------------------------------------------------------------------
 
     def add_worker(self, name: str, model: str = "") -> None:
         """Register a worker; `model` seeds its chains (see `indexer.hashing.Namespace`)."""
-        if name in self._workers:
-            self._workers[name].model = model
+        self._models[name] = model
+        if name in self._wids:
             return
-        bit = self._free_bits.pop() if self._free_bits else self._take_bit()
-        w = _Worker(name=name, bit=1 << bit, model=model)
-        self._workers[name] = w
-        self._by_bit[w.bit] = w
-
-    def _take_bit(self) -> int:
-        self._next_bit += 1
-        return self._next_bit - 1
+        # the lowest free id keeps the C core's worker masks one word wide up to 64 workers
+        wid = min(self._free_wids) if self._free_wids else len(self._wids)
+        if self._free_wids:
+            self._free_wids.remove(wid)
+        self._core.add_worker(wid, name)
+        self._wids[name] = wid
 
     def workers(self) -> list[str]:
-        return list(self._workers)
+        return list(self._wids)
 
-    def _worker(self, name: str) -> _Worker:
+    def _wid(self, name: str) -> int:
         try:
-            return self._workers[name]
+            return self._wids[name]
         except KeyError:
             raise UnknownWorker(name) from None
 
     def clear_worker(self, name: str) -> int:
         """Forget everything a worker holds; returns how many entries went."""
-        w = self._worker(name)
-        dropped = w.entries
-        for rh in set(w.eng.values()):
-            self._drop_bits(w, rh)
-        self._holes_total -= w.holes
-        self._entries -= w.entries
-        w.eng.clear()
-        w.copies.clear()
-        w.kids.clear()
-        w.holes = 0
-        w.entries = 0
-        return dropped
+        return self._core.clear(self._wid(name))
 
     def remove_worker(self, name: str) -> None:
-        self.clear_worker(name)
-        w = self._workers.pop(name)
-        del self._by_bit[w.bit]
-        self._free_bits.append(w.bit.bit_length() - 1)
+        wid = self._wid(name)
+        self._core.remove_worker(wid)
+        del self._wids[name], self._models[name]
+        self._free_wids.append(wid)
 
-    def _drop_bits(self, w: _Worker, rh: int) -> None:
-        """Clear a worker's bit on one block in every tier, and forget the block's parent
-        once nobody holds it. Entry/kids/holes bookkeeping is the caller's."""
-        keep = ~w.bit
-        alive = 0
-        for masks in (self._masks, *self._other.values()):
-            m = masks.get(rh, 0) & keep
-            if m:
-                masks[rh] = m
-                alive |= m
-            else:
-                masks.pop(rh, None)
-        if not alive:
-            self._parent.pop(rh, None)
+    def set_worker_cap(self, worker: str, max_entries: int | None) -> None:
+        """Bound one worker's entries (e.g. from its KV capacity); None lifts the bound. At
+        the cap its oldest stored block goes first, counted by `evicted_at_cap`; a worker
+        already above a new cap is trimmed at once."""
+        if max_entries is not None and max_entries <= 0:
+            raise ValueError("a worker cap must be positive (or None for no cap)")
+        self._core.set_cap(self._wid(worker), max_entries)
 
-    def _held_elsewhere(self, rh: int) -> bool:
-        if rh in self._masks:
-            return True
-        return any(rh in t for t in self._other.values())
+    def evicted_at_cap(self, worker: str) -> int:
+        """Blocks dropped because this worker reached its cap (0 for an unknown worker)."""
+        wid = self._wids.get(worker)
+        return 0 if wid is None else self._core.evicted_at_cap(wid)
 
     # ---- events --------------------------------------------------------------------------
 
     def apply(self, name: str, batch: EventBatch) -> ApplyResult:
         """Apply one decoded batch for a worker, in order."""
-        w = self._worker(name)
+        wid = self._wid(name)
         res = ApplyResult()
         for event in batch.events:
             if type(event) is BlockStored:
-                self._apply_stored(w, event, res)
+                self._apply_stored(name, wid, event, res)
             elif type(event) is BlockRemoved:
-                self._apply_removed(w, event, res)
+                self._remove(wid, event.engine_hashes, event.tier, res)
             elif type(event) is AllBlocksCleared:
-                self.clear_worker(name)
+                self._core.clear(wid)
                 res.cleared += 1
         return res
 
-    def _apply_stored(self, w: _Worker, e: BlockStored, res: ApplyResult) -> None:
+    def _apply_stored(self, name: str, wid: int, e: BlockStored, res: ApplyResult) -> None:
         if e.parent is None:
             parent: int | None = None
-            seed = Namespace(w.model, e.lora_name, e.cache_salt).seed(e.block_size)
+            seed = Namespace(self._models[name], e.lora_name, e.cache_salt).seed(e.block_size)
         else:
-            parent = w.eng.get(e.parent)
+            parent = self._core.resolve(wid, e.parent)
             if parent is None:  # its parent's event was missed: never guess a chain
                 res.unknown_parent += 1
                 return
@@ -208,7 +231,7 @@ class PrefixIndex:
             rhs = hash_blocks(e.token_ids, e.block_size, seed)
         else:
             rhs = _hash_with_extras(e.token_ids, e.block_size, seed, e.block_extras)
-        self.store_hashes(w.name, e.engine_hashes, rhs, parent, e.tier, res)
+        self._store(wid, e.engine_hashes, rhs, parent, e.tier, res, True)
 
     def store_hashes(
         self,
@@ -223,97 +246,34 @@ class PrefixIndex:
     ) -> None:
         """Record a chain of already-hashed blocks (the index-only half of a BlockStored).
         A block stored again counts as another cached copy unless `count_copies` is off
-        (callers that only refresh, like the TTL index)."""
-        w = self._worker(name)
+        (callers that only refresh)."""
         res = res if res is not None else ApplyResult()
-        if self._store_fresh_chain(w, engine_hashes, router_hashes, parent, tier, res):
-            return
-        eng, kids, bit = w.eng, w.kids, w.bit
-        masks = self._masks if tier == DEFAULT_TIER else self._other.setdefault(tier, {})
-        parents = self._parent
-        multi_tier = bool(self._other)
-        # The first block's parent may be missing (a hole); every later block's parent is
-        # the block stored just before it, held by construction.
-        check_parent = True
-        new = 0
-        for eh, rh in zip(engine_hashes, router_hashes, strict=True):
-            m = masks.get(rh, 0)
-            if not m & bit:
-                masks[rh] = m | bit
-                new += 1
-                if not (multi_tier and self._held_outside(rh, bit, tier)):
-                    if self._entries + new > self.max_entries:
-                        self._entries += new - 1
-                        w.entries += new - 1
-                        new = 1
-                        self._evict_one(w, res)
-                        check_parent = True
-                    parents.setdefault(rh, parent)
-                    if parent is not None:
-                        kids[parent] = kids.get(parent, 0) + 1
-                        if check_parent and not self._held_any(parent, bit):
-                            w.holes += 1
-                            self._holes_total += 1
-                    if w.holes:
-                        k = kids.get(rh)
-                        if k:
-                            w.holes -= k
-                            self._holes_total -= k
-                else:
-                    new -= 1  # already held in another tier: no new entry
-                res.stored += 1
-            elif count_copies and eng.get(eh) == rh:
-                key = (eh, tier)
-                w.copies[key] = w.copies.get(key, 0) + 1
-            eng[eh] = rh
-            parent = rh
-            check_parent = False
-        w.entries += new
-        self._entries += new
+        self._store(self._wid(name), engine_hashes, router_hashes, parent, tier, res, count_copies)
 
-    def _store_fresh_chain(
+    def store_chain(
+        self, name: str, router_hashes: Sequence[RouterBlockHash], tier: str = DEFAULT_TIER
+    ) -> ApplyResult:
+        """Record that a worker holds a request's chain from its first block, for workers
+        that publish no events: their blocks are known by router hash alone (the TTL index).
+        Storing a held block again only refreshes it."""
+        res = ApplyResult()
+        self._store(self._wid(name), router_hashes, router_hashes, None, tier, res, False)
+        return res
+
+    def _store(
         self,
-        w: _Worker,
-        engine_hashes: Sequence[EngineBlockHash],
-        router_hashes: Sequence[RouterBlockHash],
+        wid: int,
+        ids: Sequence[int],
+        rhs: Sequence[int],
         parent: int | None,
         tier: str,
         res: ApplyResult,
-    ) -> bool:
-        """The common case, done with C-level dict updates: a chain none of whose blocks the
-        worker holds yet, one tier, no holes, room under the bound. False: take the general
-        path."""
-        n = len(router_hashes)
-        if (
-            not n
-            or tier != DEFAULT_TIER
-            or self._other
-            or w.holes
-            or self._entries + n > self.max_entries
-            or len(engine_hashes) != n
-        ):
-            return False
-        masks, bit = self._masks, w.bit
-        get = masks.get
-        olds = [get(rh, 0) for rh in router_hashes]
-        if reduce(or_, olds) & bit:
-            return False
-        masks.update(zip(router_hashes, [m | bit for m in olds], strict=True))
-        chain = list(router_hashes)
-        self._parent.update(zip(chain, [parent, *chain[:-1]], strict=True))
-        kids = w.kids
-        # blocks the worker did not hold had no held kids
-        kids.update(zip(chain[:-1], repeat(1, n - 1), strict=True))
-        if parent is not None:
-            kids[parent] = kids.get(parent, 0) + 1
-            if not self._held_any(parent, bit):
-                w.holes += 1
-                self._holes_total += 1
-        w.eng.update(zip(engine_hashes, chain, strict=True))
-        w.entries += n
-        self._entries += n
-        res.stored += n
-        return True
+        count_copies: bool,
+    ) -> None:
+        stored, at_bound, at_cap = self._core.store(wid, tier, ids, rhs, parent, count_copies)
+        res.stored += stored
+        res.evicted_at_bound += at_bound
+        res.evicted_at_cap += at_cap
 
     def remove_hashes(
         self,
@@ -324,223 +284,85 @@ class PrefixIndex:
     ) -> ApplyResult:
         """Drop blocks by engine hash from one tier (a BlockRemoved without the event)."""
         res = res if res is not None else ApplyResult()
-        self._apply_removed(self._worker(name), BlockRemoved(engine_hashes, tier), res)
+        self._remove(self._wid(name), engine_hashes, tier, res)
         return res
 
-    def _apply_removed(self, w: _Worker, e: BlockRemoved, res: ApplyResult) -> None:
-        eng, bit = w.eng, w.bit
-        tier = e.tier
-        masks = self._masks if tier == DEFAULT_TIER else self._other.get(tier, {})
-        for eh in e.engine_hashes:
-            rh = eng.get(eh)
-            if rh is None:
-                res.unknown_removed += 1
-                continue
-            m = masks.get(rh, 0)
-            if not m & bit:
-                res.unknown_removed += 1
-                if not self._held_any(rh, bit):
-                    del eng[eh]  # an alias of a block already gone
-                continue
-            if w.copies and self._drop_copy(w, eh, tier):
-                res.removed += 1
-                continue  # another copy of the block is still cached
-            m &= ~bit
-            if m:
-                masks[rh] = m
-            else:
-                del masks[rh]
-            res.removed += 1
-            if self._other and self._held_any(rh, bit):
-                continue  # still held in another tier
-            del eng[eh]
-            self._unhold(w, rh)
-        self._prune_tiers()
+    def forget_chain(
+        self, name: str, router_hashes: Sequence[RouterBlockHash], tier: str = DEFAULT_TIER
+    ) -> ApplyResult:
+        """Drop blocks recorded by `store_chain`, by router hash."""
+        res = ApplyResult()
+        self._remove(self._wid(name), router_hashes, tier, res)
+        return res
 
-    @staticmethod
-    def _drop_copy(w: _Worker, eh: EngineBlockHash, tier: str) -> bool:
-        key = (eh, tier)
-        n = w.copies.get(key, 0)
-        if not n:
-            return False
-        if n > 1:
-            w.copies[key] = n - 1
-        else:
-            del w.copies[key]
-        return True
+    def _remove(self, wid: int, ids: Sequence[int], tier: str, res: ApplyResult) -> None:
+        removed, unknown = self._core.remove(wid, tier, ids)
+        res.removed += removed
+        res.unknown_removed += unknown
 
-    def _unhold(self, w: _Worker, rh: int) -> None:
-        w.entries -= 1
-        self._entries -= 1
-        bit = w.bit
-        p = self._parent.get(rh)
-        if p is not None:
-            k = w.kids.get(p, 0) - 1
-            if k > 0:
-                w.kids[p] = k
-            else:
-                w.kids.pop(p, None)
-            if not self._held_any(p, bit):
-                w.holes -= 1
-                self._holes_total -= 1
-        kids_held = w.kids.get(rh, 0)
-        if kids_held:
-            w.holes += kids_held
-            self._holes_total += kids_held
-        if not self._held_elsewhere(rh):
-            self._parent.pop(rh, None)
-
-    def _evict_one(self, w: _Worker, res: ApplyResult) -> None:
-        victim = w if w.entries else max(self._workers.values(), key=lambda x: x.entries)
-        eh, rh = next(iter(victim.eng.items()))
-        del victim.eng[eh]
-        for tier in (DEFAULT_TIER, *self._other):
-            victim.copies.pop((eh, tier), None)
-        self._unhold(victim, rh)  # while its bits still say who held it
-        self._drop_bits(victim, rh)
-        res.evicted_at_bound += 1
-        self.evicted_at_bound += 1
-
-    def _held_any(self, rh: int, bit: int) -> bool:
-        if self._masks.get(rh, 0) & bit:
-            return True
-        return any(t.get(rh, 0) & bit for t in self._other.values())
-
-    def _held_outside(self, rh: int, bit: int, tier: str) -> bool:
-        if tier != DEFAULT_TIER and self._masks.get(rh, 0) & bit:
-            return True
-        return any(t.get(rh, 0) & bit for name, t in self._other.items() if name != tier)
-
-    def _prune_tiers(self) -> None:
-        for name in [n for n, t in self._other.items() if not t]:
-            del self._other[name]
+    def router_hash_of(self, name: str, engine_hash: EngineBlockHash) -> RouterBlockHash | None:
+        """The router hash a worker's engine hash stands for, if the worker holds it (a
+        BlockStored's parent, resolved as `apply` does)."""
+        rh = self._core.resolve(self._wid(name), engine_hash)
+        return None if rh is None else RouterBlockHash(rh)
 
     # ---- lookup --------------------------------------------------------------------------
 
     def find_matches(self, router_hashes: Sequence[RouterBlockHash]) -> dict[str, Overlap]:
         """Per worker, the leading blocks of `router_hashes` it holds contiguously, by tier.
         Workers with no overlap are absent."""
-        if not router_hashes:
-            return {}
-        if self._holes_total == 0 and not self._other:
-            ends = self._ends_bisect(router_hashes)
-        else:
-            ends = self._ends_linear(router_hashes)
-        out: dict[str, Overlap] = {}
-        for bits, count in ends:
-            while bits:
-                low = bits & -bits
-                bits ^= low
-                w = self._by_bit[low]
-                out[w.name] = Overlap(count, self._split_tiers(router_hashes, count, low))
-        return out
-
-    def _ends_bisect(self, hashes: Sequence[int]) -> list[tuple[int, int]]:
-        """(workers, blocks) pairs: those workers hold exactly the first `blocks` blocks.
-        Valid only while no worker has holes: then the mask along a chain only shrinks."""
-        get = self._masks.get
-        first = get(hashes[0], 0)
-        if not first:
-            return []
-        last_i = len(hashes) - 1
-        last = get(hashes[last_i], 0) & first
-        ends: list[tuple[int, int]] = []
-        if first != last:
-            stack = [(0, first, last_i, last)]
-            while stack:
-                lo, mlo, hi, mhi = stack.pop()
-                if hi - lo == 1:
-                    ends.append((mlo & ~mhi, hi))
-                    continue
-                mid = (lo + hi) >> 1
-                mm = get(hashes[mid], 0) & mlo
-                if mm != mlo:
-                    stack.append((lo, mlo, mid, mm))
-                if mm != mhi:
-                    stack.append((mid, mm, hi, mhi))
-        if last:
-            ends.append((last, last_i + 1))
-        return ends
-
-    def _ends_linear(self, hashes: Sequence[int]) -> list[tuple[int, int]]:
-        masks, others = self._masks, list(self._other.values())
-        ends: list[tuple[int, int]] = []
-        active = -1
-        for i, h in enumerate(hashes):
-            m = masks.get(h, 0)
-            for t in others:
-                m |= t.get(h, 0)
-            m &= active
-            if m != active:
-                if i:
-                    ends.append((active & ~m, i))
-                active = m
-                if not active:
-                    return ends
-        ends.append((active, len(hashes)))
-        return ends
-
-    def _split_tiers(self, hashes: Sequence[int], count: int, bit: int) -> dict[str, int]:
-        if not self._other:
-            return {DEFAULT_TIER: count}
-        split: dict[str, int] = {}
-        others = sorted(self._other.items(), key=lambda kv: tier_rank(kv[0]))
-        for h in hashes[:count]:  # a block held in several tiers counts in the fastest
-            if self._masks.get(h, 0) & bit:
-                tier = DEFAULT_TIER
-            else:
-                tier = next(n for n, t in others if t.get(h, 0) & bit)
-            split[tier] = split.get(tier, 0) + 1
-        return split
+        return self._core.find_matches(router_hashes)
 
     # ---- introspection -------------------------------------------------------------------
 
     def entries_of(self, name: str) -> int:
         """How many blocks a worker holds (any tier)."""
-        w = self._workers.get(name)
-        return w.entries if w is not None else 0
+        wid = self._wids.get(name)
+        return 0 if wid is None else self._core.entries_of(wid)
 
     def holds(self, name: str) -> set[RouterBlockHash]:
         """Every router hash a worker holds in any tier (tests, `kvroute events replay`)."""
-        return set(self._worker(name).eng.values())
+        return {RouterBlockHash(rh) for rh in self._core.holds(self._wid(name))}
 
     def stats(self) -> dict[str, object]:
+        core = self._core
         return {
-            "workers": len(self._workers),
-            "blocks": len(self._parent),
-            "entries": self._entries,
-            "max_entries": self.max_entries,
-            "evicted_at_bound": self.evicted_at_bound,
-            "per_worker": {w.name: w.entries for w in self._workers.values()},
+            "backend": self.backend,
+            "workers": len(self._wids),
+            "blocks": core.blocks(),
+            "entries": core.entries,
+            "max_entries": core.max_entries,
+            "evicted_at_bound": core.evicted_at_bound,
+            "per_worker": {n: core.entries_of(wid) for n, wid in self._wids.items()},
+            "evicted_at_cap": {n: core.evicted_at_cap(wid) for n, wid in self._wids.items()},
             "memory_bytes_estimate": self.memory_estimate(),
         }
 
+    def memory_estimate(self) -> int:
+        """Bytes the index holds: exact for the C core, an estimate for the Python one."""
+        return self._core.memory_bytes()
+
     def verify(self) -> None:
         """Recompute the bookkeeping from scratch and compare (tests and debugging)."""
-        holes_total = 0
-        for w in self._workers.values():
-            held = {rh for rh in w.eng.values() if self._held_any(rh, w.bit)}
-            assert len(held) == w.entries, (w.name, len(held), w.entries)
+        core = self._core
+        holes_total = entries = 0
+        for name, wid in self._wids.items():
+            ids, kids_now, holes_now, entries_now = core.dump(wid)
+            held = {rh for _, rh in ids if core.held_any(rh, wid)}
+            assert len(held) == entries_now, (name, len(held), entries_now)
             kids: dict[int, int] = {}
             holes = 0
             for rh in held:
-                p = self._parent[rh]
+                p = core.parent(rh)
                 if p is not None:
                     kids[p] = kids.get(p, 0) + 1
                     holes += p not in held
-            assert kids == w.kids, (w.name, "kids")
-            assert holes == w.holes, (w.name, holes, w.holes)
+            assert kids == kids_now, (name, "kids")
+            assert holes == holes_now, (name, holes, holes_now)
             holes_total += holes
-        assert holes_total == self._holes_total
-        assert self._entries == sum(w.entries for w in self._workers.values())
-
-    def memory_estimate(self) -> int:
-        """Container sizes plus one int object per distinct key; an estimate, not a census."""
-        size = sys.getsizeof(self._masks) + sys.getsizeof(self._parent)
-        size += sum(sys.getsizeof(t) for t in self._other.values())
-        for w in self._workers.values():
-            size += sys.getsizeof(w.eng) + sys.getsizeof(w.kids)
-        return size + 32 * (len(self._parent) + self._entries)
+            entries += entries_now
+        assert holes_total == core.holes_total
+        assert entries == core.entries
 
 
 def _hash_with_extras(

@@ -3,11 +3,17 @@
 Pure: the ZMQ subscriber (`indexer.subscriber`) owns the sockets and asks this class what to
 do. One instance per worker, driven by one task, so a worker's events apply in order.
 
-    live batch -> classify seq -> apply | duplicate | gap -> replay (or resync) | restart
+    live batch -> classify seq -> apply | duplicate | stale | hold | gap/catch-up -> replay
+                                                                    (or resync) | restart
+
+Nothing a batch carries can stop the stream: a batch that fails to decode or to apply is
+counted under a reason (`IngestCounters.malformed_by_reason`), logged once per burst, and
+the next batch is handled as usual. See `indexer.sequencing` for what counts as a restart.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +27,16 @@ from indexer.sequencing import SeqTracker, Verdict
 log = logging.getLogger("kvroute.ingest")
 
 Decoder = Callable[[bytes], EventBatch]
+DETAIL_CHARS = 200  # of an error's text in a log line: junk must not flood the log
+
+
+class MalformedBatch(ValueError):
+    """A payload a decoder refuses. Engine adapters raise it (or a subclass) with a short
+    `reason` that labels the malformed-batch counter (e.g. `decode`, `too_deep`)."""
+
+    def __init__(self, message: str, reason: str = "decode") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class BlockSizeMismatch(ValueError):
@@ -40,17 +56,31 @@ class BlockSizeMismatch(ValueError):
 
 @dataclass
 class IngestCounters:
+    """Per-worker event-stream counters (what `/metrics` and `/health` show).
+
+    `malformed` is the total of `malformed_by_reason`, whose keys are the decoder's reasons
+    (see the engine adapter, e.g. `too_deep`, `bad_type`) plus `decode` (any other decoder
+    failure), `apply` (the index refused a decoded batch: the worker's index is cleared)
+    and `frame` (the transport's message was not topic/seq/payload). `duplicates` are live
+    copies of batches a replay already applied (expected after every replay);
+    `out_of_order` are live batches numbered below the next expected one that were not a
+    restart: dropped. `catchups` are streams whose first batch started past 0 (replayed
+    from 0, not a gap)."""
+
     batches: int = 0
     events: dict[str, int] = field(default_factory=dict)
     blocks_stored: int = 0
     blocks_removed: int = 0
     duplicates: int = 0
+    out_of_order: int = 0
     gaps: int = 0
+    catchups: int = 0
     replays: int = 0
     replay_failures: int = 0
     resyncs: int = 0
     restarts: int = 0
     malformed: int = 0
+    malformed_by_reason: dict[str, int] = field(default_factory=dict)
     skipped_events: int = 0
     unknown_parent: int = 0
     unknown_removed: int = 0
@@ -64,21 +94,22 @@ class ReplayRequest:
 
 
 class BurstLog:
-    """Log the first of a burst of similar problems, then stay quiet until it calms down."""
+    """One line per kind of problem per quiet period: the first occurrence is logged at
+    once, repeats within `quiet_s` are counted and reported with the next line."""
 
     def __init__(self, clock: Clock, quiet_s: float = 30.0) -> None:
         self._clock = clock
         self._quiet_s = quiet_s
-        self._last: dict[str, float] = {}
+        self._logged_at: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
 
     def warn(self, key: str, message: str) -> None:
         now = self._clock.now()
-        last = self._last.get(key)
-        self._last[key] = now
+        last = self._logged_at.get(key)
         if last is not None and now - last < self._quiet_s:
             self._suppressed[key] = self._suppressed.get(key, 0) + 1
             return
+        self._logged_at[key] = now
         more = self._suppressed.pop(key, 0)
         suffix = f" ({more} more like it since the last report)" if more else ""
         log.warning("%s%s", message, suffix)
@@ -108,7 +139,8 @@ class WorkerIngest:
         self.counters = IngestCounters()
         self.tracker = SeqTracker()
         self._burst = BurstLog(clock)
-        self._pending: tuple[int, bytes] | None = None
+        self._pending: list[tuple[int, bytes]] = []  # live batches waiting for a replay
+        self._held: tuple[int, bytes] | None = None  # maybe a restart: the next batch says
 
     @property
     def block_size(self) -> int | None:
@@ -116,33 +148,57 @@ class WorkerIngest:
         return self.learned_block_size or self.configured_block_size
 
     def reconnected(self) -> None:
+        """The subscription (re)connected (see `SeqTracker.reconnected`)."""
         self.tracker.reconnected()
+
+    def resubscribed(self) -> None:
+        """A new subscription replaces one whose task ended: batches it held are dropped
+        (the next batch's gap check fetches them again by replay)."""
+        self._pending = []
+        self._held = None
+        self.tracker.reconnected()
+
+    def malformed_frame(self, detail: str) -> None:
+        """The transport received a message that is not (topic, seq, payload)."""
+        self._malformed(None, "frame", detail)
 
     def on_live(self, seq: int, payload: bytes) -> ReplayRequest | None:
         """Handle one live batch. A returned request asks the caller to fetch a replay and
         hand it to `finish_replay`; the batch is held until then."""
+        held, self._held = self._held, None
+        if held is not None:
+            if self.tracker.confirms_restart(held[0], seq):
+                return self._restarted(held, (seq, payload))
+            self._out_of_order(held[0])
         verdict = self.tracker.classify_live(seq)
         if verdict is Verdict.RESTART:
             self._restart(seq)
-            verdict = self.tracker.classify_live(seq)
+            return self.on_live(seq, payload)
+        if verdict in (Verdict.GAP, Verdict.CATCH_UP):
+            return self._missed(verdict, seq, payload)
+        self._act(verdict, seq, payload)
+        return None
+
+    def _act(self, verdict: Verdict, seq: int, payload: bytes) -> None:
         if verdict is Verdict.APPLY:
             self._apply(seq, payload)
         elif verdict is Verdict.DUPLICATE:
             self.counters.duplicates += 1
-        else:
-            return self._gap(seq, payload)
-        return None
+        elif verdict is Verdict.STALE:
+            self._out_of_order(seq)
+        else:  # HOLD
+            self._held = (seq, payload)
 
     def finish_replay(self, frames: Sequence[tuple[int, bytes]] | None) -> None:
         """Apply what the replay socket returned (None: it failed or timed out), then the
-        held live batch."""
-        pending, self._pending = self._pending, None
+        held live batches."""
+        pending, self._pending = self._pending, []
         if frames is None:
             self.counters.replay_failures += 1
         for seq, payload in frames or ():
             self._ordered(seq, payload, "the replay buffer no longer holds the missed batches")
-        if pending is not None:
-            self._ordered(*pending, "the replay did not cover the gap")
+        for seq, payload in pending:
+            self._ordered(seq, payload, "the replay did not cover the gap")
 
     def _ordered(self, seq: int, payload: bytes, why_resync: str) -> None:
         verdict = self.tracker.classify(seq)
@@ -150,19 +206,41 @@ class WorkerIngest:
             self.counters.duplicates += 1
             return
         if verdict is Verdict.GAP:
-            self._resync(seq, f"batches {self.tracker.expected}..{seq - 1} lost: {why_resync}")
+            if self.tracker.last_applied is None:  # a new stream starts where its buffer does
+                self.tracker.skip_to(seq)
+            else:
+                self._resync(seq, f"batches {self.tracker.expected}..{seq - 1} lost: {why_resync}")
         self._apply(seq, payload)
 
-    def _gap(self, seq: int, payload: bytes) -> ReplayRequest | None:
-        self.counters.gaps += 1
+    def _missed(self, verdict: Verdict, seq: int, payload: bytes) -> ReplayRequest | None:
+        """Batches before `seq` did not arrive: lost after the last applied one (a gap), or
+        published before this stream's subscription took hold (a catch-up)."""
         start = self.tracker.expected
+        if verdict is Verdict.GAP:
+            self.counters.gaps += 1
+        else:
+            self.counters.catchups += 1
         if not self.has_replay:
-            self._resync(seq, f"batches {start}..{seq - 1} lost and no replay endpoint")
+            if verdict is Verdict.GAP:
+                self._resync(seq, f"batches {start}..{seq - 1} lost and no replay endpoint")
+            else:
+                self.tracker.skip_to(seq)
             self._apply(seq, payload)
             return None
         self.counters.replays += 1
-        self._pending = (seq, payload)
+        self._pending = [(seq, payload)]
         return ReplayRequest(self.worker, start)
+
+    def _restarted(
+        self, held: tuple[int, bytes], current: tuple[int, bytes]
+    ) -> ReplayRequest | None:
+        """The held batch began a new engine process's stream: start over from it."""
+        self._restart(held[0])
+        request = self.on_live(*held)
+        if request is not None:
+            self._pending.append(current)
+            return request
+        return self.on_live(*current)
 
     def _restart(self, seq: int) -> None:
         self.counters.restarts += 1
@@ -175,6 +253,14 @@ class WorkerIngest:
             seq,
         )
 
+    def _out_of_order(self, seq: int) -> None:
+        self.counters.out_of_order += 1
+        self._burst.warn(
+            "out_of_order",
+            f"worker {self.worker}: dropped KV event batch {seq}: a duplicate or out of order "
+            f"(next expected: {self.tracker.expected})",
+        )
+
     def _resync(self, seq: int, reason: str) -> None:
         self.counters.resyncs += 1
         self.index.clear_worker(self.worker)
@@ -183,15 +269,39 @@ class WorkerIngest:
         log.warning("worker %s: index cleared and resyncing: %s", self.worker, reason)
 
     def _apply(self, seq: int, payload: bytes) -> None:
+        """Decode and apply one batch; whatever it holds, the stream goes on."""
         self.tracker.applied(seq)
         self.counters.batches += 1
         try:
             batch = self._decode(payload)
-        except ValueError as exc:
-            self.counters.malformed += 1
-            self._burst.warn("malformed", f"worker {self.worker}: dropped batch {seq}: {exc}")
+        except MalformedBatch as exc:
+            self._malformed(seq, exc.reason, str(exc))
             return
-        self.apply_batch(batch)
+        except Exception as exc:  # a decoder's bug must not end the stream either
+            self._malformed(seq, "decode", f"{type(exc).__name__}: {exc}")
+            return
+        try:
+            self.apply_batch(batch)
+        except Exception as exc:
+            self._apply_failed(seq, exc)
+
+    def _apply_failed(self, seq: int, exc: Exception) -> None:
+        self._malformed(seq, "apply", f"{type(exc).__name__}: {exc}")
+        # The batch may be half applied: start the worker's index over rather than trust it.
+        self.counters.resyncs += 1
+        with contextlib.suppress(KeyError):  # the worker left the index meanwhile
+            self.index.clear_worker(self.worker)
+        self.health.note_resync(f"KV event batch {seq} could not be applied")
+
+    def _malformed(self, seq: int | None, reason: str, detail: str) -> None:
+        c = self.counters
+        c.malformed += 1
+        c.malformed_by_reason[reason] = c.malformed_by_reason.get(reason, 0) + 1
+        which = "a message" if seq is None else f"batch {seq}"
+        self._burst.warn(
+            f"malformed:{reason}",
+            f"worker {self.worker}: dropped KV event {which} ({reason}): {detail[:DETAIL_CHARS]}",
+        )
 
     def apply_batch(self, batch: EventBatch) -> ApplyResult:
         """Apply a decoded batch (also used by `kvroute events replay` on captures)."""

@@ -1,8 +1,19 @@
 """Per-worker sequence tracking for KV event batches (pure; the subscriber does the IO).
 
-vLLM numbers batches 0, 1, 2, ... per engine process. The live stream of one process never
-goes backwards, so a live sequence at or below the last live one means the engine restarted.
-Replayed batches may repeat what already arrived live: those are duplicates, not restarts.
+vLLM numbers batches 0, 1, 2, ... per engine process, and one process's live stream never
+goes backwards. So a live batch numbered below the next expected one is either a copy of
+something already applied (a replay delivered it first, or the stream repeated itself), or
+the first batch of a new engine process. Only the second wipes the worker's index, so a
+lower number counts as a restart only with evidence:
+
+- the subscription was just (re)connected: a new TCP connection with a lower counter is a
+  new process (the engine says so); or
+- it went back to the start (at most half the last applied number) *and* the next live
+  batch carries on from it while still below the old position. Until then it is held.
+
+Anything else below the expected number is dropped: `STALE`, never a restart.
+The first batch of a stream (nothing applied yet) may start past 0 because ZMQ drops what
+was published before a subscription reached the publisher: `CATCH_UP`, not a gap.
 """
 
 from __future__ import annotations
@@ -12,9 +23,12 @@ from enum import Enum
 
 class Verdict(Enum):
     APPLY = "apply"
-    DUPLICATE = "duplicate"
-    GAP = "gap"
-    RESTART = "restart"
+    DUPLICATE = "duplicate"  # a live copy of a batch a replay already applied
+    STALE = "stale"  # duplicate or out of order: dropped
+    HOLD = "hold"  # back to the start: a restart if the next batch carries on from it
+    GAP = "gap"  # batches were lost after the last applied one
+    CATCH_UP = "catch_up"  # a stream's first batch starts past 0
+    RESTART = "restart"  # a new engine process: forget the old one, then classify again
 
 
 class SeqTracker:
@@ -23,10 +37,13 @@ class SeqTracker:
     def __init__(self) -> None:
         self.last_applied: int | None = None
         self._last_live: int | None = None
+        self._fresh = True  # no live batch seen on this connection yet
 
     def reconnected(self) -> None:
-        """A fresh subscription: its first batch may follow a gap (ZMQ slow joiner)."""
+        """A fresh subscription: its first batch may follow a gap (ZMQ slow joiner), and a
+        lower number on it means the engine restarted."""
         self._last_live = None
+        self._fresh = True
 
     def restart(self) -> None:
         """Forget everything: the engine process is new and numbers from 0 again."""
@@ -38,16 +55,27 @@ class SeqTracker:
         return 0 if self.last_applied is None else self.last_applied + 1
 
     def classify_live(self, seq: int) -> Verdict:
-        if self._last_live is not None:
-            if seq <= self._last_live:
-                return Verdict.RESTART
-        elif self.last_applied is not None and seq <= self.last_applied:
+        fresh, self._fresh = self._fresh, False
+        if self.last_applied is None:
+            verdict = Verdict.APPLY if seq == 0 else Verdict.CATCH_UP
+        elif seq >= self.expected:
+            verdict = Verdict.APPLY if seq == self.expected else Verdict.GAP
+        elif self._last_live is not None and seq > self._last_live:
+            verdict = Verdict.DUPLICATE
+        elif fresh:
             return Verdict.RESTART
+        else:
+            return Verdict.HOLD if seq <= self.last_applied // 2 else Verdict.STALE
         self._last_live = seq
-        return self.classify(seq)
+        return verdict
+
+    def confirms_restart(self, held: int, seq: int) -> bool:
+        """Does live batch `seq`, right after the held `held`, carry on from it below the
+        old position (the new process's stream) rather than jump back to the old one?"""
+        return held < seq < self.expected
 
     def classify(self, seq: int) -> Verdict:
-        """For replayed batches, and live ones after `classify_live` vetted them."""
+        """For replayed batches, and held ones once the live stream vetted them."""
         expected = self.expected
         if seq < expected:
             return Verdict.DUPLICATE

@@ -4,16 +4,19 @@ Transport never parses: it yields (topic, seq, payload) and asks the worker's `W
 what to do. ZMQ reconnects on its own with exponential backoff (RECONNECT_IVL..._MAX); a
 socket monitor tells us when a (re)connection happened so the first batch after it is treated
 as a possible gap (slow joiner). A worker's slow or dead endpoint never blocks another's task.
+
+The task is supervised: `EventSubscriber.run` restarts its receive loop, with backoff, if it
+ever fails, and `SubscriberStatus` says so (`restarts`, `last_error`, `running`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -26,16 +29,39 @@ log = logging.getLogger("kvroute.subscriber")
 END_SEQ = b"\xff" * 8
 RECONNECT_MIN_MS = 100
 RECONNECT_MAX_MS = 5000
+RESTART_BACKOFF_S = (0.1, 30.0)  # first and longest wait before restarting a failed loop
+STABLE_S = 60.0  # a loop that ran this long before failing restarts at the first wait again
 
 
 @dataclass
 class SubscriberStatus:
+    """What `/health` shows of one worker's event subscription.
+
+    connected       a ZMQ connection to the publisher is up and the loop is running
+    connects        connections made (the first one included)
+    bad_frames      messages that were not (topic, 8-byte seq, payload)
+    last_message_at time.monotonic() of the last message received
+    running         the receive loop is running (False before start, and while a failed
+                    loop waits for its restart)
+    restarts        times the receive loop failed (each one is restarted after a backoff)
+    last_error      the exception that last ended the loop ("TypeError: ..."); kept after
+                    the restart so an operator can see what happened
+    last_error_at   time.monotonic() of that failure
+    """
+
     endpoint: str
     replay_endpoint: str | None
     connected: bool = False
     connects: int = 0
     bad_frames: int = 0
-    last_message_at: float | None = None  # time.monotonic()
+    last_message_at: float | None = None
+    running: bool = False
+    restarts: int = 0
+    last_error: str | None = None
+    last_error_at: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 def seq_bytes(seq: int) -> bytes:
@@ -104,6 +130,7 @@ class EventSubscriber:
         ctx: zmq.asyncio.Context | None = None,
         replay_timeout_s: float = 2.0,
         on_batch: Callable[[], None] | None = None,
+        restart_backoff_s: tuple[float, float] = RESTART_BACKOFF_S,
     ) -> None:
         self.ingest = ingest
         self.topic = topic
@@ -114,9 +141,40 @@ class EventSubscriber:
         )
         ingest.has_replay = self._replay is not None
         self._on_batch = on_batch
+        self._backoff = restart_backoff_s
 
     async def run(self) -> None:
-        """Runs until cancelled."""
+        """Runs until cancelled (or until its ZMQ context is terminated). A failure of the
+        receive loop, whatever its cause, is logged and counted, and the loop restarts
+        after a backoff that doubles while failures keep coming."""
+        wait = self._backoff[0]
+        while True:
+            started = time.monotonic()
+            try:
+                await self._run_once()
+            except zmq.ContextTerminated:
+                return
+            except Exception as exc:
+                self._failed(exc)
+            if time.monotonic() - started >= STABLE_S:
+                wait = self._backoff[0]
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, self._backoff[1])
+
+    def _failed(self, exc: Exception) -> None:
+        self.status.restarts += 1
+        self.status.last_error = f"{type(exc).__name__}: {exc}"[:500]
+        self.status.last_error_at = time.monotonic()
+        log.error(
+            "worker %s: KV event subscriber for %s failed; restarting it (failure %d)",
+            self.ingest.worker,
+            self.status.endpoint,
+            self.status.restarts,
+            exc_info=exc,
+        )
+
+    async def _run_once(self) -> None:
+        """One subscription: receive until something fails (or the task is cancelled)."""
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MIN_MS)
@@ -124,21 +182,28 @@ class EventSubscriber:
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        sub.connect(self.status.endpoint)
-        watcher = asyncio.create_task(self._watch(monitor))
+        tasks = [asyncio.create_task(self._watch(monitor)), asyncio.create_task(self._receive(sub))]
         try:
-            while True:
-                frames = await sub.recv_multipart()
-                await self._handle(frames)
+            sub.connect(self.status.endpoint)
+            self.ingest.resubscribed()
+            self.status.running = True
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # raises what ended it
+            raise RuntimeError("KV event loop ended without an error")
         finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
+            self.status.running = self.status.connected = False
+            await _cancel(tasks)
             sub.disable_monitor()
             monitor.close(linger=0)
             sub.close(linger=0)
             if self._replay is not None:
                 self._replay.close()
+
+    async def _receive(self, sub: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sub.recv_multipart()
+            await self._handle(frames)
 
     async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
         while True:
@@ -163,8 +228,7 @@ class EventSubscriber:
             seq = parse_seq(frames[1])
         except ValueError as exc:
             self.status.bad_frames += 1
-            self.ingest.counters.malformed += 1
-            log.debug("worker %s: bad message: %s", self.ingest.worker, exc)
+            self.ingest.malformed_frame(str(exc))
             return
         request = self.ingest.on_live(seq, frames[2])
         if request is not None:
@@ -182,3 +246,10 @@ class EventSubscriber:
             )
             frames = None
         self.ingest.finish_replay(frames)
+
+
+async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
+    for task in tasks:
+        task.cancel()
+    # What ended them was already raised; a cancellation of our own still propagates.
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from indexer.clock import Clock
-from indexer.hashing import EngineBlockHash, RouterBlockHash
+from indexer.hashing import RouterBlockHash
 from indexer.index import Overlap, PrefixIndex
 
 APPROX_TTL_S = 120.0
@@ -56,8 +56,7 @@ class TtlIndex:
         for rh in router_hashes:
             expiry[(worker, rh)] = until
         self._records.append((until, worker, router_hashes))
-        ids: Sequence[EngineBlockHash] = router_hashes  # type: ignore[assignment]
-        self._index.store_hashes(worker, ids, router_hashes, None, count_copies=False)
+        self._index.store_chain(worker, router_hashes)
 
     def expire(self) -> int:
         """Drop every entry whose time has come; returns how many."""
@@ -69,14 +68,14 @@ class TtlIndex:
             chain = (worker, hashes[-1])
             if self._chains.get(chain) == until:
                 del self._chains[chain]
-            gone = []
+            gone: list[RouterBlockHash] = []
             for rh in hashes:
                 key = (worker, rh)
                 if self._expiry.get(key) == until:  # not refreshed by a later record
                     del self._expiry[key]
-                    gone.append(EngineBlockHash(rh))
+                    gone.append(rh)
             if gone:
-                self._index.remove_hashes(worker, gone)
+                self._index.forget_chain(worker, gone)
                 n += len(gone)
         return n
 

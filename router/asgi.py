@@ -3,12 +3,13 @@ objects, which measured as a large share of per-request overhead."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import msgspec
 
-from router.core.errors import KvrouteError, PayloadTooLarge
+from router.core.errors import KvrouteError, PayloadTooLarge, RequestTimeout
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -20,7 +21,17 @@ _json = msgspec.json.Encoder()
 JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
-async def read_body(receive: Receive, limit: int) -> bytes:
+async def read_body(receive: Receive, limit: int, timeout: float | None = None) -> bytes:
+    """The whole request body, at most `limit` bytes, within `timeout` seconds (a client that
+    trickles its body must not hold a connection forever)."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await _read(receive, limit)
+    except TimeoutError:
+        raise RequestTimeout(f"request body not received within {timeout:g} s") from None
+
+
+async def _read(receive: Receive, limit: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -34,6 +45,13 @@ async def read_body(receive: Receive, limit: int) -> bytes:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def check_length(scope: Scope, limit: int) -> None:
+    """413 from the declared Content-Length, before a byte of the body is read."""
+    raw = header(scope, b"content-length")
+    if raw is not None and raw.isdigit() and int(raw) > limit:
+        raise PayloadTooLarge(f"request body of {int(raw)} bytes is over the {limit}-byte limit")
 
 
 class ClientGone(Exception):

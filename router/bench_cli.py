@@ -15,6 +15,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "(and Dynamo's RadixTree side by side when ai-dynamo-runtime is installed)",
     )
     ix.add_argument("--json", type=Path, help="write the results here as JSON")
+    ix.add_argument("--repeat", type=int, default=3, help="rounds; medians (default 3)")
+    ix.add_argument("--scale", nargs="+", choices=["1m", "10m"], default=[], help="growth figures")
     ix.set_defaults(func=_index)
     px = bsub.add_parser(
         "proxy",
@@ -33,7 +35,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _index(args: argparse.Namespace) -> int:
     from router.bench.index import run
 
-    run(args.json)
+    run(args.json, repeat=args.repeat, scale=args.scale)
     return 0
 
 

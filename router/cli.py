@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
 from collections.abc import Callable
 
@@ -33,6 +32,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument("--version", action="store_true", help="print kvroute's version")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in _COMMANDS.items():
         if only is not None and name != only:
@@ -63,18 +63,26 @@ def main(argv: list[str] | None = None) -> int:
     command = next((a for a in argv if a in _COMMANDS), None)
     parser = build_parser(only=command if command in _COMMANDS else None)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, str(args.log_level).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    # one line per upstream call at INFO drowns the router's own messages
-    logging.getLogger("httpx").setLevel(logging.WARNING)
+    if args.version:
+        from router.metrics import version
+
+        print(f"kvroute {version()}")
+        return 0
+    from router.logsetup import configure
+
+    configure(args.log_level, getattr(args, "log_format", None) or _env_log_format())
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()
         return 2
     code: int = func(args)
     return code
+
+
+def _env_log_format() -> str:
+    import os
+
+    return os.environ.get("KVROUTE_LOG_FORMAT", "text")
 
 
 if __name__ == "__main__":

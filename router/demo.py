@@ -4,6 +4,10 @@ two baseline policies, one request at a time.
 2 simulated vLLM workers, each with KV room for 14,816 tokens (926 blocks of 16); 12 distinct
 ~1,500-token prefixes, each sent 6 times in shuffled order. Fresh caches for every policy.
 The oracle serves each prefix's first request cold and every repeat fully cached.
+
+--models 2: the same experiment on a fleet serving two models (two workers each, prefixes
+split between the models): every request must land in its model's pool, and prefix
+affinity holds inside each pool.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import random
 import statistics
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +51,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--plot", type=Path, help="also write a bar chart here (SVG)")
     p.add_argument("--seed", type=int, default=1, help="workload shuffle seed")
     p.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
+    p.add_argument(
+        "--models",
+        type=int,
+        default=1,
+        choices=(1, 2, 3),
+        help="models the fleet serves, two workers each (default 1)",
+    )
     p.set_defaults(func=run)
 
 
@@ -57,6 +69,7 @@ class Sample:
     cached_tokens: int
     prompt_tokens: int
     worker: str
+    in_pool: bool = True  # served by a worker of the request's model
 
 
 @dataclass
@@ -76,6 +89,7 @@ class PolicyResult:
         cached = sum(s.cached_tokens for s in self.samples)
         prompt = sum(s.prompt_tokens for s in self.samples)
         return {
+            "in_pool": f"{sum(s.in_pool for s in self.samples)}/{len(self.samples)}",
             "repeat_hit_rate": round(len(hits) / max(len(repeats), 1), 3),
             "cached_token_ratio": round(cached / max(prompt, 1), 3),
             "ttft_ms_mean": round(statistics.fmean(ttfts), 1),
@@ -100,9 +114,15 @@ def make_prefixes(tok: LocalTokenizer, seed: int) -> list[str]:
     return [filler(tok, PREFIX_TOKENS, rng, head=f"Document {i}: ") for i in range(PREFIXES)]
 
 
-async def _one(client: httpx.AsyncClient, url: str, prompt: str) -> tuple[float, int, int, str]:
+def model_names(models: int) -> list[str]:
+    return ["kvroute-sim"] if models == 1 else [f"model-{chr(97 + i)}" for i in range(models)]
+
+
+async def _one(
+    client: httpx.AsyncClient, url: str, prompt: str, model: str
+) -> tuple[float, int, int, str]:
     body = {
-        "model": "kvroute-sim",
+        "model": model,
         "prompt": prompt,
         "max_tokens": MAX_TOKENS,
         "stream": True,
@@ -128,18 +148,32 @@ async def _one(client: httpx.AsyncClient, url: str, prompt: str) -> tuple[float,
 
 
 async def run_policy(
-    policy: str, docs: list[str], order: list[tuple[int, int]], progress: _Progress
+    policy: str,
+    docs: list[str],
+    order: list[tuple[int, int]],
+    progress: _Progress,
+    models: int = 1,
 ) -> PolicyResult:
     result = PolicyResult(policy)
-    with (
-        FleetProcess(workers=2, block_size=BLOCK_SIZE, kv_blocks=KV_BLOCKS) as fleet,
-        RouterProcess(fleet.urls, policy=policy, tokenizer=PACKAGED_TOKENIZER) as router,
-    ):
+    names = model_names(models)
+    with ExitStack() as stack:
+        pools = {}
+        for name in names:
+            extra = [] if models == 1 else ["--model", name]
+            fleet = FleetProcess(2, block_size=BLOCK_SIZE, kv_blocks=KV_BLOCKS, extra=extra)
+            stack.enter_context(fleet)
+            pools[name] = {u.split("//", 1)[1] for u in fleet.urls}
+        urls = [f"http://{w}" for pool in pools.values() for w in sorted(pool)]
+        router = stack.enter_context(
+            RouterProcess(urls, policy=policy, tokenizer=PACKAGED_TOKENIZER)
+        )
         async with httpx.AsyncClient(timeout=60) as client:
             for prefix, k in order:
+                model = names[prefix % models]
                 prompt = f"{docs[prefix]}\nQuestion {k}: what does section {k} say?"
-                ttft, cached, prompt_tokens, worker = await _one(client, router.url, prompt)
-                result.samples.append(Sample(prefix, k > 0, ttft, cached, prompt_tokens, worker))
+                ttft, cached, n, worker = await _one(client, router.url, prompt, model)
+                sample = Sample(prefix, k > 0, ttft, cached, n, worker, worker in pools[model])
+                result.samples.append(sample)
                 progress.step(policy)
     return result
 
@@ -177,15 +211,20 @@ def run(args: argparse.Namespace) -> int:
         numbered.append((p, i + 1 if p in seen else 0))
         seen.add(p)
     progress = _Progress(len(numbered) * len(args.policies))
+    fleet_text = (
+        "2 simulated workers"
+        if args.models == 1
+        else f"{args.models} models x 2 simulated workers ({', '.join(model_names(args.models))})"
+    )
     print(
-        f"kvroute demo: 2 simulated workers x {KV_BLOCKS * BLOCK_SIZE:,} KV tokens, "
+        f"kvroute demo: {fleet_text} x {KV_BLOCKS * BLOCK_SIZE:,} KV tokens, "
         f"{PREFIXES} prefixes x {REPEATS} requests (~{statistics.mean(prefix_tokens.values()):.0f}"
         f" tokens each), one at a time",
         file=sys.stderr,
     )
     results = {}
     for policy in args.policies:
-        results[policy] = asyncio.run(run_policy(policy, docs, numbered, progress))
+        results[policy] = asyncio.run(run_policy(policy, docs, numbered, progress, args.models))
     report: dict[str, Any] = {p: r.summary(prefix_tokens) for p, r in results.items()}
     report["oracle_ttft_ms_mean"] = _oracle(results, prefix_tokens)
     _print(report, args.policies)
@@ -197,15 +236,25 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.plot}")
     kv = report.get("kv")
     if kv is not None:
+        in_pool = all(
+            report[p]["in_pool"].split("/")[0] == report[p]["in_pool"].split("/")[1]
+            for p in args.policies
+        )
         ok = (
             kv["repeat_hit_rate"] >= 0.99
             and kv["ttft_ms_mean"] <= 1.05 * report["oracle_ttft_ms_mean"]
+            and in_pool
         )
         print(
-            f"goal (repeat hit rate >= 0.99, TTFT mean <= 1.05x oracle): "
-            f"{'MET' if ok else 'NOT MET'}"
+            f"goal (every request in its model's pool, repeat hit rate >= 0.99, TTFT mean "
+            f"<= 1.05x oracle): {'MET' if ok else 'NOT MET'}"
         )
     return 0
+
+
+def _all_in_pool(fraction: str) -> bool:
+    done, total = fraction.split("/")
+    return done == total
 
 
 def plot(report: dict[str, Any], policies: list[str]) -> str:
@@ -240,16 +289,18 @@ def _oracle(results: dict[str, PolicyResult], prefix_tokens: dict[int, int]) -> 
 
 def _print(report: dict[str, Any], policies: list[str]) -> None:
     head = (
-        f"{'policy':<12} {'repeat hits':>11} {'cached tok':>10} {'TTFT mean':>10} "
-        f"{'p50':>7} {'p90':>7}  requests per worker"
+        f"{'policy':<12} {'in pool':>7} {'repeat hits':>11} {'cached tok':>10} "
+        f"{'TTFT mean':>10} {'p50':>7} {'p90':>7}  requests per worker"
     )
     print(head)
     print("-" * len(head))
     for p in policies:
         r = report[p]
         print(
-            f"{p:<12} {r['repeat_hit_rate']:>11.2f} {r['cached_token_ratio']:>10.2f} "
-            f"{r['ttft_ms_mean']:>8.1f}ms {r['ttft_ms_p50']:>5.1f}ms {r['ttft_ms_p90']:>5.1f}ms  "
+            f"{p:<12} {r['in_pool']:>7} {r['repeat_hit_rate']:>11.2f} "
+            f"{r['cached_token_ratio']:>10.2f} {r['ttft_ms_mean']:>8.1f}ms "
+            f"{r['ttft_ms_p50']:>5.1f}ms {r['ttft_ms_p90']:>5.1f}ms  "
             f"{r['requests_per_worker']}"
         )
-    print(f"{'oracle':<12} {'1.00':>11} {'':>10} {report['oracle_ttft_ms_mean']:>8.1f}ms")
+    oracle = report["oracle_ttft_ms_mean"]
+    print(f"{'oracle':<12} {'':>7} {'1.00':>11} {'':>10} {oracle:>8.1f}ms")

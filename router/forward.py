@@ -1,6 +1,12 @@
-"""Forwarding one request to one worker: pooled keep-alive connections, headers cleaned,
-responses streamed through as they arrive (SSE first byte latency preserved), the engine's
-reported cached tokens sniffed on the way."""
+"""Forwarding one request to one worker: pooled keep-alive connections, headers cleaned both
+ways (hop-by-hop and `Connection`-listed headers dropped, `X-Forwarded-*` added), responses
+streamed through as they arrive (SSE first byte latency preserved), the engine's reported
+cached tokens sniffed on the way.
+
+A worker that fails before anything reached the client raises a retryable error
+(`ConnectFailed`, `WorkerTimedOut`); one that fails mid-stream ends the client's stream with
+an OpenAI-shaped error event and `[DONE]`, so a truncated answer never looks complete. Error
+texts sent to clients never name internal addresses."""
 
 from __future__ import annotations
 
@@ -11,7 +17,13 @@ import msgspec
 
 from router.asgi import Send
 from router.core.errors import UpstreamError, UpstreamTimeout
-from router.upstream import Response, UpstreamClosed, UpstreamConnectError, UpstreamPool
+from router.upstream import (
+    Response,
+    Timeouts,
+    UpstreamClosed,
+    UpstreamConnectError,
+    UpstreamPool,
+)
 
 HOP_BY_HOP = frozenset(
     {
@@ -40,8 +52,12 @@ ROUTING_HEADERS = frozenset(
 _json = msgspec.json.Decoder()
 
 
+FORWARDED = (b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host")
+
+
 class ConnectFailed(Exception):
-    """Nothing reached the worker and nothing reached the client: safe to retry elsewhere."""
+    """Nothing reached the client, and the worker did not take the request (or was given up
+    on before it answered): safe to retry elsewhere."""
 
     def __init__(self, worker: str, detail: str) -> None:
         super().__init__(f"{worker}: {detail}")
@@ -49,24 +65,53 @@ class ConnectFailed(Exception):
         self.detail = detail
 
 
+class WorkerTimedOut(ConnectFailed):
+    """The worker did not answer in time and nothing reached the client yet."""
+
+
 @dataclass
 class Outcome:
     status: int
     cached_tokens: int | None = None
     bytes_out: int = 0
+    broken: str | None = None  # why a response that had started was cut short
+
+
+def connection_listed(headers: list[tuple[bytes, bytes]]) -> set[bytes]:
+    """Header names a `Connection` header declares hop-by-hop (RFC 9110 7.6.1)."""
+    out: set[bytes] = set()
+    for k, v in headers:
+        if k == b"connection":
+            out.update(t.strip().lower() for t in v.split(b",") if t.strip())
+    return out
 
 
 def upstream_headers(
-    client_headers: list[tuple[bytes, bytes]], request_id: bytes, extra_strip: bytes
+    client_headers: list[tuple[bytes, bytes]],
+    request_id: bytes,
+    extra_strip: bytes,
+    forwarded: tuple[bytes, bytes, bytes] | None = None,
 ) -> list[tuple[bytes, bytes]]:
+    """The client's headers as the worker gets them. `forwarded`: (client address, scheme,
+    host) for X-Forwarded-For/-Proto/-Host, appended to what a proxy in front already set."""
+    listed = connection_listed(client_headers)
     out = [
         (k, v)
         for k, v in client_headers
         if k not in HOP_BY_HOP
         and k not in ROUTING_HEADERS
+        and k not in listed
         and k != extra_strip
         and k != b"x-request-id"
+        and (forwarded is None or k not in FORWARDED)
     ]
+    if forwarded is not None:
+        before = next((v for k, v in client_headers if k == b"x-forwarded-for"), None)
+        address, scheme, host = forwarded
+        out.append((b"x-forwarded-for", before + b", " + address if before else address))
+        out.append((b"x-forwarded-proto", scheme))
+        if host:
+            out.append((b"x-forwarded-host", host))
     out.append((b"x-request-id", request_id))
     return out
 
@@ -89,17 +134,23 @@ class Forwarder:
         request_id: bytes,
         on_first_byte: Callable[[], None],
         tls: bool = False,
+        method: bytes = b"POST",
+        timeouts: Timeouts | None = None,
     ) -> Outcome:
         try:
-            response = await self.pool.request(host, port, b"POST", path, headers, body, tls)
+            response = await self.pool.request(
+                host, port, method, path, headers, body, tls, timeouts
+            )
         except UpstreamConnectError as exc:
             raise ConnectFailed(worker, str(exc)) from None
         except UpstreamClosed as exc:
             if exc.before_response:
                 raise ConnectFailed(worker, str(exc)) from None
-            raise UpstreamError(f"worker {worker}: {exc}") from None
+            raise UpstreamError(
+                "the worker broke off its response", detail=f"{worker}: {exc}"
+            ) from None
         except TimeoutError:
-            raise UpstreamTimeout(f"worker {worker} did not answer in time") from None
+            raise WorkerTimedOut(worker, "no response head in time") from None
         try:
             outcome = await self._relay(worker, response, send, request_id, on_first_byte)
         except BaseException:
@@ -115,10 +166,15 @@ class Forwarder:
         request_id: bytes,
         on_first_byte: Callable[[], None],
     ) -> Outcome:
+        listed = connection_listed(response.headers)
         headers = [
-            (k, v) for k, v in response.headers if k not in HOP_BY_HOP and k != b"x-request-id"
+            (k, v)
+            for k, v in response.headers
+            if k not in HOP_BY_HOP and k not in listed and k != b"x-request-id"
         ]
-        headers += [(self.worker_header, worker.encode()), (b"x-request-id", request_id)]
+        if self.worker_header:
+            headers.append((self.worker_header, worker.encode()))
+        headers.append((b"x-request-id", request_id))
         ctype = next((v for k, v in response.headers if k == b"content-type"), b"")
         outcome = Outcome(response.status)
         if ctype.startswith(b"application/json"):
@@ -136,10 +192,19 @@ class Forwarder:
                 sniffer.feed(chunk)
                 outcome.bytes_out += len(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        except (UpstreamClosed, TimeoutError):
-            # the response already started: all we can do is end it
+        except (UpstreamClosed, TimeoutError) as exc:
+            # the response already started: end it so the client can tell it was cut short
             outcome.status = 502
+            outcome.broken = "timeout" if isinstance(exc, TimeoutError) else "worker_failed"
             response.close()
+            if ctype.startswith(b"text/event-stream"):
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": _sse_error(outcome.broken),
+                        "more_body": True,
+                    }
+                )
         await send({"type": "http.response.body", "body": b""})
         outcome.cached_tokens = sniffer.cached_tokens
         return outcome
@@ -157,9 +222,13 @@ class Forwarder:
             body = await response.read()
         except TimeoutError:
             response.close()
-            raise UpstreamTimeout(f"worker {worker} timed out sending its response") from None
+            raise UpstreamTimeout(
+                "the worker timed out sending its response", detail=f"worker {worker}"
+            ) from None
         except UpstreamClosed as exc:
-            raise UpstreamError(f"worker {worker} broke off its response: {exc}") from None
+            raise UpstreamError(
+                "the worker broke off its response", detail=f"worker {worker}: {exc}"
+            ) from None
         on_first_byte()
         outcome.cached_tokens = cached_tokens_of(body)
         outcome.bytes_out = len(body)
@@ -167,6 +236,24 @@ class Forwarder:
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
         return outcome
+
+
+def _sse_error(cause: str) -> bytes:
+    """The last events of a stream cut short: an error in OpenAI's shape, then [DONE]."""
+    message = (
+        "the worker stopped responding mid-stream"
+        if cause == "timeout"
+        else "the worker failed mid-stream"
+    )
+    doc = {
+        "error": {
+            "message": message + "; the answer is incomplete",
+            "type": "upstream_error",
+            "param": None,
+            "code": 502,
+        }
+    }
+    return b"data: " + msgspec.json.encode(doc) + b"\n\ndata: [DONE]\n\n"
 
 
 def cached_tokens_of(body: bytes) -> int | None:

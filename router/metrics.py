@@ -5,6 +5,7 @@ are read at scrape time by a collector instead of being incremented twice."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -13,9 +14,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from router.workers import WorkerPool
+    from router.workers import Feed, WorkerPool
 
 HEALTH_STATES = ("OK", "NO_EVENTS", "STALE", "RESYNCING", "DISABLED")
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvroute")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 class RouterMetrics:
@@ -24,10 +34,34 @@ class RouterMetrics:
         r = self.registry
         self.requests = Counter(
             "kvroute_requests_total",
-            "Requests by chosen worker and outcome",
-            ["worker", "outcome"],
+            "Requests by model, worker, HTTP status and outcome (ok, http_error, "
+            "connect_failed, timeout, client_disconnected; the router's own answers have "
+            "worker=none and outcome=router)",
+            ["model", "worker", "status", "outcome"],
             registry=r,
         )
+        self.ttft = Histogram(
+            "kvroute_ttft_seconds",
+            "Time from the request's arrival to the first byte of the worker's answer",
+            ["model", "worker"],
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=r,
+        )
+        self.duration = Histogram(
+            "kvroute_request_duration_seconds",
+            "Time from the request's arrival to the end of the worker's answer",
+            ["model", "worker"],
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+            registry=r,
+        )
+        self.stream_errors = Counter(
+            "kvroute_stream_errors_total",
+            "Responses cut short after they started (an error event and [DONE] were sent)",
+            ["worker", "cause"],
+            registry=r,
+        )
+        self.build_info = Gauge("kvroute_build_info", "kvroute's version", ["version"], registry=r)
+        self.build_info.labels(version()).set(1)
         self.decision_seconds = Histogram(
             "kvroute_route_decision_seconds",
             "Tokenize + hash + lookup + score time",
@@ -80,8 +114,8 @@ class RouterMetrics:
             found = self._children[key] = metric.labels(*labels)
         return found
 
-    def count(self, worker: str, outcome: str) -> None:
-        self.child(self.requests, worker, outcome).inc()
+    def count(self, model: str, worker: str, status: int, outcome: str) -> None:
+        self.child(self.requests, model, worker, str(status), outcome).inc()
 
     def attach(self, pool: WorkerPool) -> None:
         self.registry.register(_PoolCollector(lambda: pool))
@@ -106,11 +140,32 @@ class _PoolCollector(Collector):
                 ("replays", "Replay requests sent to a worker's replay socket"),
                 ("replay_failures", "Replays that timed out or failed"),
                 ("resyncs", "Times a worker's index was cleared after unrecoverable loss"),
-                ("restarts", "Engine restarts detected (sequence went backwards)"),
-                ("malformed", "Malformed KV event messages dropped"),
+                ("restarts", "Engine restarts detected (sequence went back to the start)"),
+                ("out_of_order", "Batches with an old sequence number, dropped"),
                 ("unknown_parent", "BlockStored events whose parent was never seen"),
             )
         }
+        malformed = CounterMetricFamily(
+            "kvroute_kv_malformed",
+            "Malformed KV event batches dropped, by reason (decode, too_deep, too_large, ...)",
+            labels=["worker", "reason"],
+        )
+        sub_restarts = CounterMetricFamily(
+            "kvroute_kv_subscriber_restarts",
+            "Times a worker's event subscriber failed and was restarted",
+            labels=["worker"],
+        )
+        evicted = CounterMetricFamily(
+            "kvroute_index_evicted",
+            "Index entries dropped to stay within a bound: the worker's cap (its KV capacity "
+            "times index_cap_margin) or the global max_index_entries",
+            labels=["worker", "cause"],
+        )
+        lag = GaugeMetricFamily(
+            "kvroute_kv_event_age_seconds",
+            "Seconds since the worker's last KV event message arrived",
+            labels=["worker"],
+        )
         health = GaugeMetricFamily(
             "kvroute_worker_event_health",
             "1 for the worker's current event-health state",
@@ -132,28 +187,46 @@ class _PoolCollector(Collector):
             "Uncached prompt tokens awaiting first token",
             labels=["worker"],
         )
-        for h in pool.handles.values():
-            name = h.name
-            report = pool.worker_report(h)
+        for f, report in _endpoints(pool):
+            name = f.state.name
             for state in HEALTH_STATES:
                 health.add_metric([name, state], 1.0 if report["event_health"] == state else 0.0)
             for m in ("events", "approx"):
-                mode.add_metric([name, m], 1.0 if h.state.mode == m else 0.0)
-            available.add_metric([name], 1.0 if h.state.available else 0.0)
-            cached.add_metric([name], float(pool.core.index.entries_of(name)))
-            load.add_metric([name], float(pool.core.load.view(name).prefill_tokens))
-            if h.ingest is None:
+                mode.add_metric([name, m], 1.0 if f.state.mode == m else 0.0)
+            available.add_metric([name], 1.0 if f.state.available else 0.0)
+            cached.add_metric([name], float(pool.fleet.index.entries_of(name)))
+            evicted.add_metric([name, "cap"], float(pool.fleet.index.evicted_at_cap(name)))
+            load.add_metric([name], float(pool.fleet.load.view(name).prefill_tokens))
+            if f.ingest is None:
                 continue
-            c = h.ingest.counters
+            c = f.ingest.counters
             for etype, n in c.events.items():
                 events.add_metric([name, etype], float(n))
             for key, fam in counters.items():
                 attr = "gaps" if key == "sequence_gaps" else key
                 fam.add_metric([name], float(getattr(c, attr)))
+            for reason, n in c.malformed_by_reason.items():
+                malformed.add_metric([name, reason], float(n))
+            if f.subscriber is not None:
+                st = f.subscriber.status
+                sub_restarts.add_metric([name], float(st.restarts))
+                if st.last_message_at is not None:
+                    lag.add_metric([name], max(0.0, time.monotonic() - st.last_message_at))
         yield events
         yield from counters.values()
+        yield malformed
+        yield evicted
+        yield sub_restarts
+        yield lag
         yield health
         yield mode
         yield available
         yield cached
         yield load
+
+
+def _endpoints(pool: WorkerPool) -> Iterator[tuple[Feed, dict[str, Any]]]:
+    from router.verdicts import worker_reports
+
+    for h in pool.handles.values():
+        yield from zip(h.feeds, worker_reports(pool, h), strict=True)

@@ -1,5 +1,8 @@
 """What the router needs from an OpenAI-style request body, without changing the body (it is
-forwarded byte for byte, unknown fields included)."""
+forwarded byte for byte, unknown fields included).
+
+Completions and chat are routed by their prompt. The rest of vLLM's API passes through,
+routed by the body's `model` (embeddings by their input as well): `parse_passthrough`."""
 
 from __future__ import annotations
 
@@ -12,10 +15,13 @@ from router.core.errors import BadRequest
 
 _decoder = msgspec.json.Decoder()
 
+# POST paths whose body is a prompt to route by, and how it is tokenized
+PROMPT_PATHS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+
 
 @dataclass(frozen=True)
 class RoutingInput:
-    kind: str  # "completion" | "chat"
+    kind: str  # "completion" | "chat" | "none" (no prompt: route by model and load)
     model: str
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None
@@ -25,15 +31,16 @@ class RoutingInput:
     cache_salt: str | None = None
     stream: bool = False
     max_tokens: int = 16
+    n: int = 1
+
+    @classmethod
+    def bodyless(cls, model: str = "") -> RoutingInput:
+        """A request without a prompt (GET, or a body kvroute does not read)."""
+        return cls("none", model)
 
 
 def parse(kind: str, body: bytes) -> RoutingInput:
-    try:
-        doc = _decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise BadRequest("request body must be a JSON object")
+    doc = _object(body)
     model = doc.get("model", "")
     if not isinstance(model, str):
         raise BadRequest("'model' must be a string", param="model")
@@ -45,10 +52,52 @@ def parse(kind: str, body: bytes) -> RoutingInput:
         "cache_salt": salt or None,
         "stream": bool(doc.get("stream", False)),
         "max_tokens": _max_tokens(doc),
+        "n": _n(doc),
     }
     if kind == "chat":
         return _chat(doc, common)
     return _completion(doc, common)
+
+
+def parse_passthrough(path: str, body: bytes) -> RoutingInput:
+    """Any other endpoint: its `model` if the body is a JSON object naming one; embeddings
+    also by their input (tokenized like a completion prompt)."""
+    if not body:
+        return RoutingInput.bodyless()
+    try:
+        doc = _decoder.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return RoutingInput.bodyless()  # not ours to judge: the worker answers it
+    model = doc.get("model") if isinstance(doc, dict) else None
+    if not isinstance(model, str):
+        return RoutingInput.bodyless()
+    if path == "/v1/embeddings" and isinstance(doc.get("input"), (str, list)):
+        try:
+            return _completion({"prompt": doc["input"]}, {"model": model})
+        except BadRequest:
+            pass
+    return RoutingInput.bodyless(model)
+
+
+def _object(body: bytes) -> dict[str, Any]:
+    try:
+        doc = _decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest("request body is nested too deeply") from None
+    if not isinstance(doc, dict):
+        raise BadRequest("request body must be a JSON object")
+    return doc
+
+
+def _n(doc: dict[str, Any]) -> int:
+    value = doc.get("n", 1)
+    if value is None:
+        return 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise BadRequest("'n' must be a positive integer", param="n")
+    return value
 
 
 def _max_tokens(doc: dict[str, Any]) -> int:
@@ -86,6 +135,15 @@ def _chat(doc: dict[str, Any], common: dict[str, Any]) -> RoutingInput:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise BadRequest(f"messages[{i}] must be an object with a 'role'", param="messages")
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise BadRequest(
+                f"messages[{i}].content must be a string or a list of content parts",
+                param="messages",
+            )
+    # vLLM renders a missing or null content as an empty one (an assistant turn with tool
+    # calls); the copy tokenized here does the same, the body forwarded stays untouched
+    messages = [m if m.get("content") is not None else {**m, "content": ""} for m in messages]
     extra = doc.get("chat_template_kwargs")
     if extra is not None and not isinstance(extra, dict):
         raise BadRequest("'chat_template_kwargs' must be an object", param="chat_template_kwargs")

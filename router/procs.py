@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -85,6 +86,9 @@ class RouterProcess(_Stoppable):
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # /admin and /debug are off without a token: each router gets its own (callers
+        # pass it to router-check and kvroute explain)
+        self.admin_token = secrets.token_hex(16)
         cmd = [
             sys.executable,
             "-m",
@@ -103,7 +107,10 @@ class RouterProcess(_Stoppable):
         self.log_path = Path(tempfile.mkdtemp(prefix="kvroute-router-")) / "router.log"
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "KVROUTE_ADMIN_TOKEN": self.admin_token, **(env or {})},
             )
         try:
             self._wait_ready(ready_timeout)
@@ -148,16 +155,14 @@ _QuietServer = _quiet_server_class()
 @contextlib.asynccontextmanager
 async def serve_in_process(app: Any, port: int | None = None) -> AsyncIterator[str]:
     """Serve an ASGI app with uvicorn in this event loop (tests); yields its base URL."""
-    import uvicorn
+    from router.server import server_config
 
     port = port or free_port()
-    config = uvicorn.Config(
+    config = server_config(
         app,
-        host="127.0.0.1",
-        port=port,
-        log_level="warning",
-        access_log=False,
-        lifespan="on",
+        "127.0.0.1",
+        port,
+        header_timeout_s=getattr(getattr(app, "config", None), "header_timeout_s", 10.0),
         loop="asyncio",
     )
     server = _QuietServer(config)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from router.core.config import MODES, POLICIES, Config, WorkerConfig, from_env, from_mapping
+from router.core.config import MODES, POLICIES, REMOTE, Config, from_env, from_mapping
 from router.core.errors import ConfigError
 
 log = logging.getLogger("kvroute.serve")
@@ -16,17 +18,42 @@ log = logging.getLogger("kvroute.serve")
 _EPILOG = """Configuration comes from --config (YAML), then KVROUTE_* environment variables,
 then flags; flags win. Every worker's KV event endpoints are discovered from its
 GET /kv_event_sources unless given in the YAML (workers: [{url, events, replay, topic,
-mode, block_size}]).
+mode, block_size, api_key, role}]).
+
+Several models: each worker's served names (base model and LoRA adapters, from its
+/v1/models) form the model's pool; a request only goes to workers serving its `model`, and
+an unknown model is a 404 listing the served ones. Give each model its tokenizer with
+--tokenizer MODEL=PATH (a LoRA adapter uses its base model's).
 
 examples:
   kvroute serve --worker http://10.0.0.5:8000 --worker http://10.0.0.6:8000 \\
       --tokenizer /models/llama-3-8b
   kvroute serve --config kvroute.yaml --port 8080
   kvroute serve --worker http://vllm-0:8000 --tokenizer remote --mode approx
+  kvroute serve --worker http://a:8000 --worker http://b:8000 \\
+      --tokenizer llama-3-8b=/models/llama-3-8b --tokenizer qwen-7b=remote
+  kvroute serve --workers-dns vllm-workers.default.svc:8000 --worker-api-key "$VLLM_API_KEY"
 
-Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health (503 names each broken
-worker and the fix), /ready, /metrics, /admin/workers, /debug/route (see `kvroute explain`).
+Endpoints: /v1/completions, /v1/chat/completions, /v1/models, the rest of vLLM's API passed
+through by model; /health (503 names each broken worker and the fix), /ready, /live,
+/metrics; with --admin-token: /admin/workers (+ /admin/workers/NAME/drain|undrain) and
+/debug/route (see `kvroute explain`).
 """
+
+# (flag, config field, type, help) for the operational knobs; their defaults are Config's
+_TUNING: tuple[tuple[str, str, type, str], ...] = (
+    ("--request-timeout", "request_timeout_s", float, "a non-streaming answer, whole"),
+    ("--first-byte-timeout", "first_byte_timeout_s", float, "a stream's first chunk"),
+    ("--inter-chunk-timeout", "inter_chunk_timeout_s", float, "between a stream's chunks"),
+    ("--connect-timeout", "connect_timeout_s", float, "connecting to a worker"),
+    ("--health-timeout", "health_timeout_s", float, "a worker's /health probe"),
+    ("--eject-after-timeouts", "eject_after_timeouts", int, "timeouts in a row that eject"),
+    ("--header-timeout", "header_timeout_s", float, "a client's request head"),
+    ("--body-timeout", "body_timeout_s", float, "a client's whole request body"),
+    ("--drain-delay", "drain_delay_s", float, "SIGTERM: serve on, not ready, this long"),
+    ("--drain-timeout", "drain_timeout_s", float, "SIGTERM: then in-flight requests finish"),
+    ("--max-body-bytes", "max_body_bytes", int, "413 above this request size"),
+)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -38,22 +65,44 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _fleet_args(p)
+    _routing_args(p)
+    _operator_args(p)
+    t = p.add_argument_group("timeouts and limits")
+    for flag, field_name, kind, what in _TUNING:
+        default = getattr(Config(), field_name)
+        metavar = "SECONDS" if kind is float else "N"
+        t.add_argument(
+            flag, dest=field_name, type=kind, metavar=metavar, help=f"{what} (default {default})"
+        )
+    p.set_defaults(func=run)
+
+
+def _fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="kvroute.yaml")
-    p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port to listen on (default 8000)")
     p.add_argument("--worker", action="append", metavar="URL", help="a vLLM worker, repeatable")
     p.add_argument("--workers-file", help="YAML list of workers, reloaded when it changes")
     p.add_argument(
         "--workers-dns",
         metavar="HOST:PORT",
-        help="a headless Service: every A "
-        "record is a worker, re-resolved every few seconds (Kubernetes)",
+        help="a headless Service: every A record is a worker, re-resolved every few seconds",
     )
     p.add_argument(
         "--tokenizer",
+        action="append",
+        metavar="[MODEL=]PATH|remote",
         help="folder with the model's tokenizer.json + tokenizer_config.json (fast), or "
-        "'remote' to ask the workers' /tokenize (default: remote)",
+        "'remote' to ask the workers' /tokenize (default: remote); MODEL=... sets one "
+        "model's tokenizer (repeatable)",
     )
+    p.add_argument(
+        "--worker-api-key",
+        help="the workers' --api-key, sent on the router's own calls to them (/tokenize, "
+        "/metrics, /v1/models, health); never logged (env KVROUTE_WORKER_API_KEY)",
+    )
+
+
+def _routing_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mode",
         choices=MODES,
@@ -64,30 +113,90 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--block-size",
         type=int,
-        help="tokens per KV block, if not learned from "
-        "the workers' events or vllm:cache_config_info",
+        help="tokens per KV block, if not learned from the workers' events or metrics",
     )
-    p.add_argument(
-        "--metrics",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="serve /metrics (default on)",
-    )
-    p.add_argument(
+    p.add_argument("--seed", type=int, help="seed for the random policy and softmax sampling")
+
+
+def _operator_args(p: argparse.ArgumentParser) -> None:
+    o = p.add_argument_group("serving and operations")
+    o.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    o.add_argument("--port", type=int, help="port to listen on (default 8000)")
+    o.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM)")
+    o.add_argument("--tls-key", help="... and this private key (PEM)")
+    o.add_argument(
         "--admin-token", help="bearer token for /admin and /debug (env KVROUTE_ADMIN_TOKEN)"
     )
-    p.add_argument(
+    o.add_argument(
+        "--admin-insecure",
+        action="store_true",
+        default=None,
+        help="serve /admin and /debug without a token (without either they answer 404)",
+    )
+    o.add_argument(
+        "--health-details",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="/health names workers, problems and fixes (default on; off: counts only)",
+    )
+    o.add_argument(
         "--health-degraded-ok",
         action="store_true",
         default=None,
         help="answer /health 200 while a worker is served in approximate mode",
     )
-    p.add_argument(
-        "--worker-header",
-        help="response header naming the chosen worker (default x-kvroute-worker)",
+    o.add_argument(
+        "--metrics", action=argparse.BooleanOptionalAction, default=None, help="serve /metrics"
     )
-    p.add_argument("--seed", type=int, help="seed for the random policy and softmax sampling")
-    p.set_defaults(func=run)
+    o.add_argument(
+        "--worker-header",
+        help="response header naming the chosen worker (default x-kvroute-worker; '' for none)",
+    )
+    o.add_argument(
+        "--forwarded-headers",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="add X-Forwarded-For/-Proto/-Host to forwarded requests (default on)",
+    )
+    o.add_argument(
+        "--access-log",
+        action="store_true",
+        default=None,
+        help="one line per request: model, worker, overlap, status, TTFT",
+    )
+    o.add_argument("--log-format", choices=("text", "json"), help="log line format (text)")
+    o.add_argument(
+        "--otel",
+        action="store_true",
+        default=None,
+        help="an OpenTelemetry span per routing decision, exported by OTLP as the "
+        "OTEL_EXPORTER_OTLP_* variables say (pip install 'kvroute[otel]')",
+    )
+    o.add_argument("--log-level", default=argparse.SUPPRESS, help="DEBUG, INFO, WARNING, ERROR")
+
+
+_PLAIN = [
+    "host",
+    "port",
+    "mode",
+    "policy",
+    "block_size",
+    "metrics",
+    "admin_token",
+    "admin_insecure",
+    "health_details",
+    "health_degraded_ok",
+    "worker_header",
+    "seed",
+    "workers_file",
+    "workers_dns",
+    "worker_api_key",
+    "tls_cert",
+    "tls_key",
+    "forwarded_headers",
+    "access_log",
+    "log_format",
+]
 
 
 def load_config(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Config:
@@ -97,27 +206,31 @@ def load_config(args: argparse.Namespace, environ: dict[str, str] | None = None)
     base = from_env(base, environ)
     flags: dict[str, Any] = {}
     if args.worker:
-        flags["workers"] = [WorkerConfig(u) for u in args.worker]
-    for name in (
-        "host",
-        "port",
-        "tokenizer",
-        "mode",
-        "policy",
-        "block_size",
-        "metrics",
-        "admin_token",
-        "health_degraded_ok",
-        "worker_header",
-        "seed",
-        "workers_file",
-    ):
+        flags["workers"] = list(args.worker)
+    if getattr(args, "tokenizer", None):
+        default, per_model = split_tokenizer_flags(args.tokenizer)
+        if default is not None:
+            flags["tokenizer"] = default
+        if per_model:
+            flags["tokenizers"] = {**base.tokenizers, **per_model}
+    for name in [*_PLAIN, *(t[1] for t in _TUNING)]:
         value = getattr(args, name, None)
         if value is not None:
             flags[name] = value
-    if "workers" in flags:
-        flags["workers"] = [{"url": w.url} for w in flags["workers"]]
     return from_mapping(flags, base).validate()
+
+
+def split_tokenizer_flags(values: list[str]) -> tuple[str | None, dict[str, str]]:
+    """`--tokenizer PATH|remote` (the default) and `--tokenizer MODEL=PATH|remote`."""
+    default: str | None = None
+    per_model: dict[str, str] = {}
+    for v in values:
+        model, sep, spec = v.partition("=")
+        if sep and model and spec and not os.path.exists(v):
+            per_model[model] = spec
+        else:
+            default = v
+    return default, per_model
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -140,31 +253,74 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args)
         if config.tokenizer is None:
-            config = from_mapping({"tokenizer": "remote"}, config)
-            log.warning(
-                "no --tokenizer given: asking the workers' /tokenize (slower); pass the "
-                "model's tokenizer folder for local tokenization"
-            )
+            config = from_mapping({"tokenizer": REMOTE}, config)
+            if not config.tokenizers:
+                log.warning(
+                    "no --tokenizer given: asking the workers' /tokenize (slower); pass the "
+                    "model's tokenizer folder for local tokenization"
+                )
         from router.app import RouterApp
 
         app = RouterApp(config)
     except ConfigError as err:
         print(f"kvroute serve: {err.message}", file=sys.stderr)
         return 2
-    serve(app, config.host, config.port)
+    _announce(config)
+    from router.server import serve, server_config
+
+    uv = server_config(
+        app,
+        config.host,
+        config.port,
+        header_timeout_s=config.header_timeout_s,
+        drain_timeout_s=config.drain_timeout_s,
+        tls_cert=config.tls_cert,
+        tls_key=config.tls_key,
+    )
+    serve(uv, app.start_draining, config.drain_delay_s)
     return 0
 
 
-def serve(app: Any, host: str, port: int) -> None:
-    import uvicorn
+def _announce(config: Config) -> None:
+    """The start-up line an operator greps for, and the warnings that matter."""
+    from router.metrics import version
 
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
-        access_log=False,
-        log_level="warning",
+    fleet = [w.name for w in config.workers]
+    if config.workers_file:
+        fleet.append(f"file {config.workers_file}")
+    if config.workers_dns:
+        fleet.append(f"dns {config.workers_dns}")
+    tokenizers = {"*": config.tokenizer, **config.tokenizers}
+    scheme = "https" if config.tls_cert else "http"
+    log.warning(
+        "kvroute %s serving %s://%s:%d: workers %s, mode %s, policy %s, tokenizer %s",
+        version(),
+        scheme,
+        config.host,
+        config.port,
+        ", ".join(fleet),
+        config.mode,
+        config.policy,
+        tokenizers,
     )
+    if config.admin_token is None and not _loopback(config.host):
+        if config.admin_insecure:
+            log.warning(
+                "admin and debug endpoints are open to anyone reaching %s:%d "
+                "(--admin-insecure): set --admin-token instead",
+                config.host,
+                config.port,
+            )
+        else:
+            log.warning(
+                "listening on %s without --admin-token: /admin and /debug are off (404), so "
+                "router-check and kvroute explain cannot read them; set --admin-token",
+                config.host,
+            )
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

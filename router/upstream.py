@@ -31,6 +31,10 @@ class UpstreamClosed(Exception):
         self.before_response = before_response
 
 
+class UpstreamAborted(UpstreamClosed):
+    """kvroute gave up on the worker (found dead or hung) while the request was in flight."""
+
+
 class _Conn(asyncio.Protocol):
     def __init__(self) -> None:
         self.parser = httptools.HttpResponseParser(self)
@@ -120,6 +124,16 @@ class _Conn(asyncio.Protocol):
         return self.transport is not None and not self.transport.is_closing() and self.error is None
 
 
+@dataclass(frozen=True)
+class Timeouts:
+    """How long the worker may take: for the response head, for the first body chunk (a
+    stream's first token), and between chunks after that."""
+
+    head: float
+    first_chunk: float
+    between_chunks: float
+
+
 @dataclass
 class Response:
     status: int
@@ -127,12 +141,13 @@ class Response:
     _conn: _Conn
     _pool: UpstreamPool
     _key: tuple[str, int, bool]
-    _timeout: float
+    _timeouts: Timeouts
     _done: bool = field(default=False)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         conn = self._conn
         loop = asyncio.get_running_loop()
+        timeout = self._timeouts.first_chunk
         while True:
             while conn.chunks:
                 chunk = conn.chunks.popleft()
@@ -140,6 +155,7 @@ class Response:
                 if conn.paused and conn.buffered < HIGH_WATER // 2 and conn.transport is not None:
                     conn.transport.resume_reading()
                     conn.paused = False
+                timeout = self._timeouts.between_chunks
                 yield chunk
             if conn.complete:
                 self._finish()
@@ -148,7 +164,7 @@ class Response:
                 raise conn.error
             conn.waiter = loop.create_future()
             try:
-                async with asyncio.timeout(self._timeout):
+                async with asyncio.timeout(timeout):
                     await conn.waiter
             finally:
                 conn.waiter = None
@@ -159,23 +175,44 @@ class Response:
     def _finish(self) -> None:
         if not self._done:
             self._done = True
+            self._pool._busy_of(self._key).discard(self._conn)
             self._pool._release(self._key, self._conn)
 
     def close(self) -> None:
         """Abandon the response: the connection is closed, so the worker sees the client go."""
         if not self._done:
             self._done = True
+            self._pool._busy_of(self._key).discard(self._conn)
             if self._conn.transport is not None:
                 self._conn.transport.close()
 
 
 class UpstreamPool:
-    def __init__(self, connect_timeout: float, read_timeout: float, max_idle: int = 256) -> None:
+    def __init__(self, connect_timeout: float, timeouts: Timeouts, max_idle: int = 256) -> None:
         self.connect_timeout = connect_timeout
-        self.read_timeout = read_timeout
+        self.timeouts = timeouts
         self.max_idle = max_idle
         self._idle: dict[tuple[str, int, bool], list[_Conn]] = {}
+        # connections with a request in flight, so that a worker found dead can fail them now
+        self._busy: dict[tuple[str, int, bool], set[_Conn]] = {}
         self._tls: ssl.SSLContext | None = None
+
+    def _busy_of(self, key: tuple[str, int, bool]) -> set[_Conn]:
+        busy = self._busy.get(key)
+        if busy is None:
+            busy = self._busy[key] = set()
+        return busy
+
+    def abort(self, host: str, port: int, why: str) -> int:
+        """The worker was found dead or hung: fail every request in flight to it. One still
+        waiting for its response head fails as not started (`before_response`), so the door
+        can retry it elsewhere; a response already streaming ends with an error."""
+        n = 0
+        for key in ((host, port, False), (host, port, True)):
+            for conn in list(self._busy.pop(key, ())):
+                conn._fail(UpstreamAborted(why, before_response=not conn.head.done()))
+                n += 1
+        return n
 
     async def _connect(self, host: str, port: int, tls: bool) -> _Conn:
         loop = asyncio.get_running_loop()
@@ -226,10 +263,12 @@ class UpstreamPool:
         headers: list[tuple[bytes, bytes]],
         body: bytes,
         tls: bool = False,
+        timeouts: Timeouts | None = None,
     ) -> Response:
         """Send a request and wait for the response head. A reused connection the worker had
         already closed is retried once on a fresh one (nothing was processed)."""
         key = (host, port, tls)
+        timeouts = timeouts or self.timeouts
         head = b"%s %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-length: %d\r\n" % (
             method,
             target,
@@ -245,19 +284,23 @@ class UpstreamPool:
                 conn = await self._connect(host, port, tls)
             assert conn.transport is not None
             conn.transport.write(data)
+            busy = self._busy_of(key)
+            busy.add(conn)
             try:
-                async with asyncio.timeout(self.read_timeout):
+                async with asyncio.timeout(timeouts.head):
                     await conn.head
             except UpstreamClosed as exc:
-                if reused and exc.before_response:
+                busy.discard(conn)
+                if reused and exc.before_response and not isinstance(exc, UpstreamAborted):
                     conn, reused = None, False
                     continue
                 raise
             except BaseException:
+                busy.discard(conn)
                 if conn.transport is not None:
                     conn.transport.close()
                 raise
-            return Response(conn.status, conn.headers, conn, self, key, self.read_timeout)
+            return Response(conn.status, conn.headers, conn, self, key, timeouts)
         raise UpstreamClosed("worker closed the connection", before_response=True)
 
     def close(self) -> None:

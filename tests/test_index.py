@@ -4,11 +4,24 @@ import pytest
 
 from indexer.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from indexer.hashing import EngineBlockHash, Namespace, hash_request
-from indexer.index import Overlap, PrefixIndex, UnknownWorker
+from indexer.index import Overlap, PrefixIndex, UnknownWorker, available_backends
 
 BS = 4
 A = list(range(16))  # four blocks
 B = [*A[:8], 90, 91, 92, 93]  # shares two blocks with A
+
+NOT_BUILT = "C index core not built: pip install -e . needs gcc and the Python headers"
+BACKENDS = [
+    pytest.param(b, marks=pytest.mark.skipif(b not in available_backends(), reason=NOT_BUILT))
+    for b in ("c", "python")
+]
+
+
+@pytest.fixture(autouse=True, params=BACKENDS)
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs against every index backend (PrefixIndex() reads the variable)."""
+    monkeypatch.setenv("KVROUTE_INDEX_BACKEND", request.param)
+    return str(request.param)
 
 
 def eh(*ids: int) -> list[EngineBlockHash]:

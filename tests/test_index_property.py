@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -12,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from engines.vllm import events as wire
 from indexer.clock import FakeClock
 from indexer.hashing import Namespace, hash_request
-from indexer.index import Overlap, PrefixIndex, tier_rank
+from indexer.index import Overlap, PrefixIndex, available_backends, tier_rank
 from indexer.ingest import WorkerIngest
 
 BS = 4
@@ -83,6 +84,8 @@ class Reference:
 
 
 class IndexMachine(RuleBasedStateMachine):
+    backend = "python"
+
     @initialize(
         pool=st.lists(
             st.lists(st.tuples(*[st.integers(0, 2)] * BS), min_size=1, max_size=6),
@@ -93,7 +96,7 @@ class IndexMachine(RuleBasedStateMachine):
     def setup(self, pool: list[list[tuple[int, ...]]]) -> None:
         self.pool = pool
         self.ref = Reference()
-        self.index = PrefixIndex()
+        self.index = PrefixIndex(backend=self.backend)
         clock = FakeClock()
         self.ingest: dict[str, WorkerIngest] = {}
         self.seq: dict[str, int] = {}
@@ -181,6 +184,7 @@ class IndexMachine(RuleBasedStateMachine):
         """The engine restarts: its sequence numbers begin again at 0, its cache is empty."""
         self.ref.clear(w)
         self.seq[w] = 0
+        self.ingest[w].reconnected()  # a new process: its stream comes on a new connection
         event, parent, blocks = self.blocks_event(w, ns, seq_i, 0, 3, "GPU")  # type: ignore[misc]
         self.ref.store(w, parent, self.root(ns), blocks, "GPU")
         self.send(w, [event])
@@ -199,5 +203,14 @@ class IndexMachine(RuleBasedStateMachine):
         self.index.verify()
 
 
+class CIndexMachine(IndexMachine):
+    backend = "c"
+
+
 IndexMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+CIndexMachine.TestCase.settings = IndexMachine.TestCase.settings
 TestIndexAgainstReference = IndexMachine.TestCase
+TestCIndexAgainstReference = pytest.mark.skipif(
+    "c" not in available_backends(),
+    reason="C index core not built: pip install -e . needs gcc and the Python headers",
+)(CIndexMachine.TestCase)

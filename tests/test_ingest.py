@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from engines.vllm import events as wire
+from engines.vllm.fuzz import hostile_payloads
+from indexer import events as ev
 from indexer.clock import FakeClock
 from indexer.hashing import Namespace, hash_request
 from indexer.health import EventHealth
 from indexer.index import PrefixIndex
-from indexer.ingest import ReplayRequest, WorkerIngest
+from indexer.ingest import Decoder, ReplayRequest, WorkerIngest
 
 BS = 4
 
@@ -60,6 +64,20 @@ def test_first_batch_after_connect_may_follow_a_gap(
     assert all(holds(index, i) for i in range(1, 7))
     assert ingest.counters.duplicates == 1  # the held live batch was in the replay too
     assert ingest.counters.resyncs == 0
+    # the first connection's catch-up is not a lost-events gap
+    assert (ingest.counters.gaps, ingest.counters.catchups) == (0, 1)
+
+
+def test_first_stream_starts_where_the_replay_buffer_does(
+    setup: tuple[PrefixIndex, WorkerIngest, FakeClock],
+) -> None:
+    index, ingest, _ = setup
+    assert ingest.on_live(9, block(10)) == ReplayRequest("w", 0)
+    ingest.finish_replay([(s, block(s + 1)) for s in range(7, 10)])  # 0..6 aged out
+    assert all(holds(index, i) for i in (8, 9, 10))
+    c = ingest.counters
+    assert (c.gaps, c.resyncs, c.catchups) == (0, 0, 1)
+    assert ingest.health.report().state is not EventHealth.RESYNCING
 
 
 def test_gap_filled_by_replay(setup: tuple[PrefixIndex, WorkerIngest, FakeClock]) -> None:
@@ -104,15 +122,60 @@ def test_without_replay_endpoint_a_gap_resyncs_at_once(
     assert not holds(index, 1) and holds(index, 3)
 
 
-def test_sequence_going_back_means_restart(
+def test_a_seq_seen_twice_is_dropped_not_a_restart(
+    setup: tuple[PrefixIndex, WorkerIngest, FakeClock],
+) -> None:
+    """Defect 2: a repeated sequence number used to wipe the worker's index."""
+    index, ingest, _ = setup
+    for seq in range(3):
+        ingest.on_live(seq, block(seq + 1))
+    assert ingest.on_live(2, block(7)) is None  # the last one again
+    assert ingest.on_live(1, block(8)) is None  # an older one: out of order
+    assert ingest.on_live(3, block(4)) is None
+    assert all(holds(index, i) for i in (1, 2, 3, 4))
+    assert not holds(index, 7) and not holds(index, 8)
+    c = ingest.counters
+    assert (c.restarts, c.out_of_order, c.gaps, c.resyncs) == (0, 2, 0, 0)
+
+
+def test_seq_zero_again_then_the_old_stream_goes_on_is_not_a_restart(
+    setup: tuple[PrefixIndex, WorkerIngest, FakeClock],
+) -> None:
+    index, ingest, _ = setup
+    for seq in range(10):
+        ingest.on_live(seq, block(seq + 1))
+    assert ingest.on_live(0, block(50)) is None  # held: maybe a restart
+    assert holds(index, 10)  # nothing cleared while it is only held
+    assert ingest.on_live(10, block(11)) is None  # the old stream goes on
+    assert all(holds(index, i) for i in range(1, 12)) and not holds(index, 50)
+    assert (ingest.counters.restarts, ingest.counters.out_of_order) == (0, 1)
+
+
+def test_back_to_the_start_and_staying_there_is_a_restart(
     setup: tuple[PrefixIndex, WorkerIngest, FakeClock],
 ) -> None:
     index, ingest, _ = setup
     for seq in range(3):
         ingest.on_live(seq, block(seq + 1))
     assert ingest.on_live(0, block(9)) is None
+    assert ingest.counters.restarts == 0
+    assert ingest.on_live(1, block(10)) is None  # carries on from 0: a new process
     assert ingest.counters.restarts == 1
-    assert not holds(index, 1) and holds(index, 9)
+    assert not holds(index, 1) and holds(index, 9) and holds(index, 10)
+
+
+def test_a_restart_seen_late_catches_up_from_zero(
+    setup: tuple[PrefixIndex, WorkerIngest, FakeClock],
+) -> None:
+    index, ingest, _ = setup
+    for seq in range(10):
+        ingest.on_live(seq, block(seq + 1))
+    assert ingest.on_live(3, block(23)) is None  # the new process's first batches were lost
+    assert ingest.on_live(4, block(24)) == ReplayRequest("w", 0)
+    ingest.finish_replay([(s, block(20 + s)) for s in range(5)])
+    assert all(holds(index, 20 + s) for s in range(5)) and not holds(index, 1)
+    c = ingest.counters
+    assert (c.restarts, c.catchups, c.gaps, c.out_of_order) == (1, 1, 0, 0)
 
 
 def test_restart_after_reconnect(setup: tuple[PrefixIndex, WorkerIngest, FakeClock]) -> None:
@@ -133,6 +196,7 @@ def test_malformed_payload_is_counted_and_dropped(
     ingest.on_live(0, block(1))
     assert ingest.on_live(1, b"\x00garbage") is None
     assert ingest.counters.malformed == 1
+    assert ingest.counters.malformed_by_reason == {"decode": 1}
     assert holds(index, 1)
     assert ingest.on_live(2, block(2)) is None  # no gap: the bad batch consumed its seq
     assert ingest.counters.gaps == 0
@@ -148,3 +212,75 @@ def test_block_size_mismatch_names_both_values(
     assert not report.healthy
     assert "block_size=16" in report.errors[0] and "block_size=4" in report.errors[0]
     assert ingest.block_size == 4  # requests are hashed the way the worker publishes
+
+
+HOSTILE = hostile_payloads()
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"), [(p, r) for _, p, r in HOSTILE], ids=[n for n, _, _ in HOSTILE]
+)
+def test_a_malformed_batch_is_contained(
+    setup: tuple[PrefixIndex, WorkerIngest, FakeClock], payload: bytes, reason: str
+) -> None:
+    """Defect 1: an event whose type is a list or a dict, 50,000-deep arrays or extra_keys
+    shorter than the block list used to raise out of the ingest and end the subscriber."""
+    index, ingest, _ = setup
+    ingest.on_live(0, block(1))
+    assert ingest.on_live(1, payload) is None
+    assert ingest.on_live(2, block(2)) is None
+    assert holds(index, 1) and holds(index, 2)
+    c = ingest.counters
+    assert (c.malformed, c.malformed_by_reason) == (1, {reason: 1})
+    assert (c.gaps, c.resyncs, c.restarts) == (0, 0, 0)
+
+
+def test_malformed_batches_are_logged_once_per_burst(
+    setup: tuple[PrefixIndex, WorkerIngest, FakeClock], caplog: pytest.LogCaptureFixture
+) -> None:
+    _, ingest, clock = setup
+    bad = dict((n, p) for n, p, _ in HOSTILE)["type-is-a-list"]
+    with caplog.at_level(logging.WARNING, logger="kvroute.ingest"):
+        for seq in range(50):
+            ingest.on_live(seq, bad)
+        assert len(caplog.records) == 1
+        assert "worker w" in caplog.text and "(bad_type)" in caplog.text
+        clock.advance(31)
+        ingest.on_live(50, bad)
+    assert len(caplog.records) == 2
+    assert "49 more like it" in caplog.records[1].getMessage()
+    assert ingest.counters.malformed_by_reason == {"bad_type": 51}
+
+
+def ingest_with(decode: Decoder) -> tuple[PrefixIndex, WorkerIngest]:
+    index = PrefixIndex()
+    index.add_worker("w")
+    return index, WorkerIngest("w", index, decode, FakeClock())
+
+
+def test_a_batch_the_index_refuses_clears_the_worker_and_the_stream_goes_on() -> None:
+    def decode(payload: bytes) -> ev.EventBatch:
+        if payload == b"poison":  # decoders should refuse this; the index raises on it
+            return ev.EventBatch(0.0, [ev.BlockStored([1], None, [-5] * BS, BS)])
+        return wire.decode_batch(payload)
+
+    index, ingest = ingest_with(decode)
+    ingest.on_live(0, block(1))
+    assert ingest.on_live(1, b"poison") is None
+    assert not holds(index, 1)  # maybe half applied: start over
+    assert ingest.on_live(2, block(2)) is None and holds(index, 2)
+    c = ingest.counters
+    assert (c.malformed_by_reason, c.resyncs) == ({"apply": 1}, 1)
+    assert ingest.health.report().state is EventHealth.RESYNCING
+
+
+def test_a_decoder_bug_is_contained() -> None:
+    def decode(payload: bytes) -> ev.EventBatch:
+        if payload == b"bug":
+            raise KeyError("oops")
+        return wire.decode_batch(payload)
+
+    index, ingest = ingest_with(decode)
+    assert ingest.on_live(0, b"bug") is None
+    assert ingest.on_live(1, block(1)) is None and holds(index, 1)
+    assert ingest.counters.malformed_by_reason == {"decode": 1}

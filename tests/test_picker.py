@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 
@@ -10,9 +12,12 @@ from indexer.clock import FakeClock
 from indexer.events import BlockStored, EventBatch
 from indexer.hashing import EngineBlockHash, Namespace
 from indexer.health import HealthTracker
-from router.core.config import ScoringConfig
+from router.core.config import Config, ScoringConfig
+from router.core.decision import Decision, RouteRequest
 from router.core.errors import NoWorkerAvailable
-from router.core.picker import APPROX, EVENTS, RoutingCore, WorkerState
+from router.core.fleet import APPROX, EVENTS, FleetState, WorkerState
+from router.core.load import Ticket
+from router.core.picker import Picker
 
 BS = 4
 NS = Namespace()
@@ -22,24 +27,41 @@ def prompt(seed: int, blocks: int = 8) -> list[int]:
     return [seed * 1000 + i for i in range(blocks * BS)]
 
 
-def core(policy: str = "kv", n: int = 2, mode: str = EVENTS, **scoring: object) -> RoutingCore:
-    clock = FakeClock()
-    c = RoutingCore(
-        clock,
+class Core:
+    """The pure picker with one profile over a fleet, as the decision service drives it."""
+
+    def __init__(self, config: Config, n: int, mode: str) -> None:
+        self.clock = FakeClock()
+        self.fleet = FleetState(self.clock)
+        self.profile = config.profile("default", random.Random(1))
+        self.picker = Picker(self.fleet)
+        for i in range(n):
+            health = HealthTracker(f"w{i}", self.clock)
+            self.fleet.add(WorkerState(f"w{i}", mode, BS, capacity_blocks=100, health=health))
+
+    def route(self, tokens: Sequence[int], ns: Namespace) -> Decision:
+        req = RouteRequest(model="", namespace=ns, prompt_tokens=len(tokens))
+        return self.picker.pick(self.profile, req, tokens)
+
+    def commit(self, d: Decision, worker: str) -> Ticket:
+        return self.picker.commit(self.profile, d, worker)
+
+    def __getattr__(self, name: str) -> Any:  # index, load, workers, predictions, approx
+        return getattr(self.fleet, name)
+
+
+def core(
+    policy: str = "kv", n: int = 2, mode: str = EVENTS, temperature: float = 0.0, **scoring: Any
+) -> Core:
+    config = Config(
         policy=policy,
-        scoring=ScoringConfig(**scoring),  # type: ignore[arg-type]
-        rng=random.Random(1),
+        policy_params={"temperature": temperature} if temperature else {},
+        scoring=ScoringConfig(**scoring),
     )
-    for i in range(n):
-        c.add_worker(
-            WorkerState(
-                f"w{i}", mode, BS, capacity_blocks=100, health=HealthTracker(f"w{i}", clock)
-            )
-        )
-    return c
+    return Core(config, n, mode)
 
 
-def store(c: RoutingCore, worker: str, tokens: list[int]) -> None:
+def store(c: Core, worker: str, tokens: list[int]) -> None:
     n = len(tokens) // BS
     ehs = [EngineBlockHash(hash((worker, tuple(tokens[: (i + 1) * BS])))) for i in range(n)]
     c.index.apply(worker, EventBatch(0.0, [BlockStored(ehs, None, tokens[: n * BS], BS)]))
@@ -145,8 +167,10 @@ def test_no_worker_error_names_the_ejected_ones() -> None:
     c = core()
     for w in c.workers.values():
         w.available = False
-    with pytest.raises(NoWorkerAvailable, match="w0, w1"):
+    with pytest.raises(NoWorkerAvailable) as err:
         c.route(prompt(1), NS)
+    assert "2 failing health checks" in err.value.message  # what the client sees
+    assert "w0" in (err.value.detail or "") and "w1" in (err.value.detail or "")  # the log
 
 
 def test_explain_fills_in_the_formula() -> None:

@@ -62,6 +62,7 @@ async def fleet_and_router(
             scrape_interval_s=0.2,
             health_check_interval_s=0.2,
             event_grace_s=1.0,
+            admin_insecure=config.pop("admin_insecure", True),
             **config,
         )
         async with serve_in_process(RouterApp(cfg)) as url:

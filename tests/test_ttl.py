@@ -4,10 +4,23 @@ import pytest
 
 from indexer.clock import FakeClock
 from indexer.hashing import Namespace, hash_request
-from indexer.index import Overlap
+from indexer.index import Overlap, available_backends
 from indexer.ttl import TtlIndex
 
 H = hash_request(list(range(32)), 8, Namespace())  # four blocks
+
+NOT_BUILT = "C index core not built: pip install -e . needs gcc and the Python headers"
+BACKENDS = [
+    pytest.param(b, marks=pytest.mark.skipif(b not in available_backends(), reason=NOT_BUILT))
+    for b in ("c", "python")
+]
+
+
+@pytest.fixture(autouse=True, params=BACKENDS)
+def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs against every index backend (PrefixIndex() reads the variable)."""
+    monkeypatch.setenv("KVROUTE_INDEX_BACKEND", request.param)
+    return str(request.param)
 
 
 def test_entries_expire_after_ttl() -> None:

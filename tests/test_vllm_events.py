@@ -1,12 +1,21 @@
-"""The vLLM adapter on hand-built payloads of every documented shape."""
+"""The vLLM adapter on hand-built payloads of every documented shape, and on hostile ones."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
 
 import msgspec
 import pytest
 
+from engines import msgpack_guard
 from engines.vllm import events as wire
+from engines.vllm.fuzz import hostile_payloads
 from indexer import events as ev
+from indexer.capture import read_capture
+
+FIXTURES = Path(__file__).parent / "fixtures" / "vllm-0.32.0"
 
 enc = msgspec.msgpack.Encoder()
 BS = 4
@@ -112,6 +121,57 @@ def test_other_kv_groups_and_unknown_types_are_skipped() -> None:
 def test_malformed_payloads_raise(raw: bytes) -> None:
     with pytest.raises(wire.MalformedPayload):
         wire.decode_batch(raw)
+
+
+HOSTILE = hostile_payloads()
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"), [(p, r) for _, p, r in HOSTILE], ids=[n for n, _, _ in HOSTILE]
+)
+def test_hostile_payloads_are_refused_with_their_reason(payload: bytes, reason: str) -> None:
+    with pytest.raises(wire.MalformedPayload) as caught:
+        wire.decode_batch(payload)
+    assert caught.value.reason == reason
+
+
+def test_deep_nesting_is_refused_before_msgspec_recurses() -> None:
+    """With the recursion limit raised, msgspec itself would crash the process on these
+    (it recurses in C); the structural check must stop them first. In a child process, so
+    a regression fails this test instead of killing the run."""
+    script = (
+        "import sys; sys.setrecursionlimit(1_000_000)\n"
+        "from engines.vllm.events import decode_batch, MalformedPayload\n"
+        "from engines.vllm.fuzz import hostile_payloads\n"
+        "for name, payload, reason in hostile_payloads():\n"
+        "    if reason != 'too_deep': continue\n"
+        "    try: decode_batch(payload)\n"
+        "    except MalformedPayload as exc: assert exc.reason == reason, name\n"
+        "    else: raise AssertionError(name)\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "ok"), done.stderr[-2000:]
+
+
+def test_real_frames_take_the_typed_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every frame real vLLM sent decodes without the (slow, Python) structural walk."""
+
+    def walked(data: bytes, limits: msgpack_guard.Limits) -> None:
+        raise AssertionError("a real frame needed the structural check")
+
+    monkeypatch.setattr(wire, "check_structure", walked)
+    payloads = [m.payload for d in FIXTURES.iterdir() if d.is_dir() for m in read_capture(d)]
+    assert len([wire.decode_batch(p) for p in payloads if p]) >= 20
+
+
+def test_prompt_embedding_digests_take_the_lenient_path() -> None:
+    digest = bytes(range(32))
+    (stored,) = wire.decode_batch(payload([stored_map(extra_keys=[[digest], None])])).events
+    assert isinstance(stored, ev.BlockStored)
+    assert stored.block_extras is not None and stored.block_extras[0] is not None
 
 
 def test_encoder_omits_defaults_and_puts_type_first() -> None:

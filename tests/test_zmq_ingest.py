@@ -1,6 +1,7 @@
 """Real ZMQ on loopback: the simulator's publisher (with its replay socket) on one side, the
 router's subscriber and ingest on the other. Lost batches, a late subscriber and an engine
-restart must all end with the index equal to what the publisher's engine really holds."""
+restart must all end with the index equal to what the publisher's engine really holds; junk
+on the socket and a failure inside the subscriber's loop must not stop the stream."""
 
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ import pytest
 from engines.sim.events_pub import EventPublisher, PublisherConfig
 from engines.vllm import events as wire
 from engines.vllm.events import decode_batch
+from engines.vllm.fuzz import hostile_payloads
 from indexer.clock import FakeClock
 from indexer.hashing import Namespace, hash_request
 from indexer.index import PrefixIndex
-from indexer.ingest import WorkerIngest
-from indexer.subscriber import EventSubscriber
+from indexer.ingest import ReplayRequest, WorkerIngest
+from indexer.subscriber import EventSubscriber, seq_bytes
 
 pytestmark = pytest.mark.timeout(60)
 BS = 4
@@ -38,6 +40,14 @@ class LossyPublisher(EventPublisher):
             self.seq += 1
             return
         await super().publish(ts, events)
+
+
+class RawPublisher(LossyPublisher):
+    """Also sends messages of its own making, with sequence numbers of its own choosing."""
+
+    async def send_raw(self, *frames: bytes) -> None:
+        assert self._pub is not None
+        await self._pub.send_multipart(list(frames))
 
 
 class Engine:
@@ -99,7 +109,10 @@ async def subscribed(
     ingest = WorkerIngest("w", index, decode_batch, FakeClock())
     assert pub.endpoint is not None
     sub = EventSubscriber(
-        ingest, pub.endpoint, replay_endpoint=pub.replay_endpoint if replay else None
+        ingest,
+        pub.endpoint,
+        replay_endpoint=pub.replay_endpoint if replay else None,
+        restart_backoff_s=(0.05, 0.2),
     )
     task = asyncio.create_task(sub.run())
     try:
@@ -114,8 +127,8 @@ async def subscribed(
 
 async def started(
     drop: set[int], endpoint: str = "tcp://127.0.0.1:0", replay: str | None = "tcp://127.0.0.1:0"
-) -> LossyPublisher:
-    pub = LossyPublisher(PublisherConfig(endpoint=endpoint, replay_endpoint=replay), drop)
+) -> RawPublisher:
+    pub = RawPublisher(PublisherConfig(endpoint=endpoint, replay_endpoint=replay), drop)
     await pub.start()
     return pub
 
@@ -127,9 +140,9 @@ async def test_lost_batches_and_late_join_recover_through_replay() -> None:
         for chain in (1, 2):  # published before anyone listens: the slow joiner's loss
             await engine.store(chain)
         async with subscribed(pub) as (index, ingest, _):
-            await engine.store(3)  # seq 2: a gap from 0 -> replay
+            await engine.store(3)  # seq 2: the first connection catches up from 0 by replay
             await wait_until(lambda: ingest.tracker.last_applied == 2)
-            assert ingest.counters.gaps == 1
+            assert (ingest.counters.gaps, ingest.counters.catchups) == (0, 1)
             await engine.store(4)  # seq 3
             await engine.store(5)  # seq 4: dropped live
             await engine.evict(1)  # seq 5: dropped live
@@ -137,7 +150,7 @@ async def test_lost_batches_and_late_join_recover_through_replay() -> None:
             await wait_until(lambda: ingest.tracker.last_applied == 6)
             assert index_view(index, range(1, 8)) == truth(engine)
             c = ingest.counters
-            assert c.gaps == 2 and c.replays == 2 and c.resyncs == 0 and c.restarts == 0
+            assert c.gaps == 1 and c.replays == 2 and c.resyncs == 0 and c.restarts == 0
     finally:
         await pub.stop()
 
@@ -177,3 +190,60 @@ async def test_engine_restart_clears_the_worker() -> None:
         await wait_until(lambda: ingest.counters.restarts == 1 and ingest.tracker.last_applied == 1)
         assert index_view(index, range(1, 6)) == truth(engine) == {4: 3, 5: 3}
     await pub.stop()
+
+
+async def test_junk_frames_do_not_stop_the_subscriber() -> None:
+    """Defect 1 end to end: junk used to end the subscriber's task (nothing logged, every
+    later batch ignored)."""
+    pub = await started(drop=set(), replay=None)
+    engine = Engine(pub)
+    junk = dict((n, p) for n, p, _ in hostile_payloads())
+    names = ["type-is-a-list", "type-is-a-dict", "deep-array", "extra-keys-short-mm"]
+    try:
+        async with subscribed(pub, replay=False) as (index, ingest, sub):
+            for seq, name in enumerate(names):
+                await pub.send_raw(b"", seq_bytes(seq), junk[name])
+            await pub.send_raw(b"", b"two frames")
+            await pub.send_raw(b"", b"\x01", b"a 1-byte seq")
+            pub.seq = len(names)
+            await engine.store(1)
+            await engine.store(2)
+            await wait_until(lambda: index_view(index, range(1, 3)) == truth(engine))
+            c = ingest.counters
+            assert c.malformed_by_reason == {
+                "bad_type": 2,
+                "too_deep": 1,
+                "bad_extra_keys": 1,
+                "frame": 2,
+            }
+            assert c.malformed == 6 and c.gaps == 0 and c.resyncs == 0
+            assert sub.status.restarts == 0 and sub.status.connected
+    finally:
+        await pub.stop()
+
+
+async def test_a_failure_inside_the_loop_restarts_the_subscriber() -> None:
+    pub = await started(drop=set(), replay=None)
+    engine = Engine(pub)
+    try:
+        async with subscribed(pub, replay=False) as (index, ingest, sub):
+            real_on_live = ingest.on_live
+
+            def fails_once(seq: int, payload: bytes) -> ReplayRequest | None:
+                ingest.on_live = real_on_live  # type: ignore[method-assign]
+                raise RuntimeError("boom")
+
+            ingest.on_live = fails_once  # type: ignore[method-assign]
+            await engine.store(1)
+            await wait_until(lambda: sub.status.restarts == 1)
+            assert sub.status.last_error == "RuntimeError: boom"
+            for chain in range(2, 100):  # the new subscription misses the first few
+                await engine.store(chain)
+                await asyncio.sleep(0.05)
+                if chain in index_view(index, range(chain, chain + 1)):
+                    break
+            assert index_view(index, range(chain, chain + 1)) == {chain: 3}
+            assert 1 not in index_view(index, range(1, 2))  # it hit the failure
+            assert sub.status.restarts == 1 and sub.status.running and sub.status.connected
+    finally:
+        await pub.stop()

@@ -2,6 +2,7 @@
 (the 32-byte engine first, then stopped; everything on `main`; the restart last but one;
 the two-worker fleet last)."""
 
+from conformance import faults
 from conformance.checks import chaining, fidelity, fleet, replay, tokenizer, wire_format
 from conformance.registry import REGISTRY, Check
 
@@ -22,5 +23,6 @@ def registry() -> dict[str, Check]:
     return ordered | {name: c for name, c in REGISTRY.items() if name not in ordered}
 
 
-__all__ = ["RUN_ORDER", "chaining", "fidelity", "fleet", "registry", "replay", "tokenizer"]
+__all__ = ["RUN_ORDER", "chaining", "faults", "fidelity", "fleet", "registry", "replay"]
+__all__ += ["tokenizer"]
 __all__ += ["wire_format"]

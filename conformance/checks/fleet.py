@@ -1,13 +1,16 @@
 """Check 6: two engines behind `kvroute serve` (child process, local tokenizer = the folder
 the engines load). Repeated prefixes stick to one worker and their time to first token
-drops; `router-check` passes. Then one worker restarts without --kv-events-config:
-`router-check` fails naming it, and the router's /health turns 503."""
+drops; model pools hold (the LoRA adapter only `main` serves always lands there, the base
+model on both, an unknown model is a 404 naming the served ones); `router-check` passes.
+Then one worker restarts without --kv-events-config: `router-check` fails naming it, and
+the router's /health turns 503."""
 
 from __future__ import annotations
 
 import asyncio
 import atexit
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -57,13 +60,15 @@ def router_check_cmd() -> list[str]:
 
 
 def run_router_check(
-    url: str, call_timeout_s: float = 30.0, limit_s: float = 600.0
+    url: str, token: str, call_timeout_s: float = 30.0, limit_s: float = 600.0
 ) -> dict[str, Any]:
-    """`router-check --router URL --json`; --timeout bounds each of its calls."""
+    """`router-check --router URL --json`; --timeout bounds each of its calls; the admin
+    token goes by environment, not on the command line."""
     cmd = [*router_check_cmd(), "--router", url, "--json", "--timeout", str(call_timeout_s)]
     cmd += ROUTER_CHECK_ARGS
     started = time.monotonic()
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s)
+    env = {**os.environ, "KVROUTE_ADMIN_TOKEN": token}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s, env=env)
     out: dict[str, Any] = {
         "exit_code": done.returncode,
         "seconds": round(time.monotonic() - started, 1),
@@ -82,14 +87,14 @@ def failed_checks(run: dict[str, Any]) -> set[str]:
     return {str(c.get("name")) for c in report.get("checks", []) if c.get("status") == "FAIL"}
 
 
-def router_check_healthy(url: str) -> list[dict[str, Any]]:
+def router_check_healthy(url: str, token: str) -> list[dict[str, Any]]:
     """router-check on a healthy fleet: rerun only while timing checks alone fail."""
-    runs = [run_router_check(url)]
+    runs = [run_router_check(url, token)]
     while runs[-1]["exit_code"] != 0 and len(runs) < HEALTHY_ATTEMPTS:
         failed = failed_checks(runs[-1])
         if not failed or not failed <= TIMING_CHECKS:
             break
-        runs.append(run_router_check(url))
+        runs.append(run_router_check(url, token))
     return runs
 
 
@@ -193,7 +198,8 @@ async def fleet(ctx: Context, f: Findings) -> None:
         f.note("router_log", str(router.log_path))
         async with client(router.url) as http:
             _judge_repeats(f, await _send_repeats(http, a.model, tok, ctx.target.ttft_gap_s))
-            runs = await asyncio.to_thread(router_check_healthy, router.url)
+            await _model_pools(http, a, b, tok, f)
+            runs = await asyncio.to_thread(router_check_healthy, router.url, router.admin_token)
             f.note("router_check_healthy", {k: v for k, v in runs[-1].items() if k != "text"})
             f.note(
                 "router_check_healthy_attempts",
@@ -204,19 +210,46 @@ async def fleet(ctx: Context, f: Findings) -> None:
                 f"router-check failed on a healthy fleet (exit {runs[-1]['exit_code']}, "
                 f"failed {sorted(failed_checks(runs[-1]))}, {len(runs)} run(s))",
             )
-            await _break_worker(b, http, a.model, router.url, f)
+            await _break_worker(b, http, a.model, router, f)
     finally:
         await asyncio.to_thread(router.stop)
         atexit.unregister(router.stop)
 
 
+async def _model_pools(
+    http: httpx.AsyncClient, a: Engine, b: Engine, tok: LocalTokenizer, f: Findings
+) -> None:
+    """`a` serves the base model and its LoRA adapter, `b` the base model only."""
+    lora = a.lora_name
+    f.require(lora is not None and b.lora_name is None, "engine specs changed: no LoRA on main")
+    assert lora is not None
+    landed: dict[str, list[str | None]] = {a.model: [], lora: []}
+    for i in range(6):
+        for model in landed:
+            done = await stream_completion(http, model, prose(f"pool-{model}-{i}", tok, 200))
+            landed[model].append(done.worker)
+    f.note("model_pools", landed)
+    strays = [w for w in landed[lora] if w != _worker_name(a)]
+    f.require(not strays, f"{len(strays)} {lora} requests went to a worker without the adapter")
+    f.require(
+        None not in landed[a.model], "a base-model request came back without the worker header"
+    )
+    resp = await http.post("/v1/completions", json={"model": "no-such-model", "prompt": "hi"})
+    message = resp.json().get("error", {}).get("message", "") if resp.status_code == 404 else ""
+    f.note("unknown_model", {"status": resp.status_code, "message": message})
+    f.require(
+        resp.status_code == 404 and a.model in message and lora in message,
+        f"an unknown model got {resp.status_code}, not a 404 naming the served models",
+    )
+
+
 async def _break_worker(
-    b: Engine, http: httpx.AsyncClient, model: str, url: str, f: Findings
+    b: Engine, http: httpx.AsyncClient, model: str, router: RouterProcess, f: Findings
 ) -> None:
     name = _worker_name(b)
     await asyncio.to_thread(b.restart, kv_events=False)
     f.note("restarted_without_events", name)
-    failed = await asyncio.to_thread(run_router_check, url)
+    failed = await asyncio.to_thread(run_router_check, router.url, router.admin_token)
     f.note("router_check_broken", {k: v for k, v in failed.items() if k != "text"})
     f.require(failed["exit_code"] != 0, "router-check passed with a worker publishing no KV events")
     f.require(name in failed["text"], f"router-check's output does not name {name}")

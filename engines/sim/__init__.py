@@ -10,4 +10,8 @@ events_pub  ZMQ PUB + replay ROUTER, byte-compatible with vLLM's publisher
 tokenizer   the Hugging Face tokenizer folder, used as vLLM uses it
 protocol, openai, asgi, http, routes_info, metrics   vLLM's HTTP surface
 worker      one worker on uvicorn; fleet: N of them; cli: `kvroute sim`
+pd_*        prefill -> decode handoff over real NIXL, as vLLM's NixlConnector (pull mode):
+            pd_config (flags), pd_wire (params, side channel), pd_nixl (agent, blocks),
+            pd_connector (prefill leases), pd_pull (decode pulls), pd_metrics, pd_http,
+            pd_fleet (P/D fleets); nixl_site: the progress-thread-delay sitecustomize
 """

@@ -19,6 +19,7 @@ from engines.sim.config import (
     SimConfig,
 )
 from engines.sim.latency import LatencyModel
+from engines.sim.pd_config import PDConfigError, add_pd_args, kv_transfer_from_args
 from engines.sim.tokenizer import DEFAULT_TOKENIZER_DIR
 
 log = logging.getLogger("kvroute.sim")
@@ -42,6 +43,9 @@ examples:
   kvroute sim --port 8001 --kv-blocks 926 --events-endpoint tcp://127.0.0.1:5557 \\
       --replay-endpoint tcp://127.0.0.1:5558 --topic kv-events
   kvroute sim --port 8002 --no-events          # caching works, nothing is published
+  kvroute sim --kv-role producer --kv-bytes-per-token 2048        # a prefill worker (NIXL)
+  VLLM_NIXL_SIDE_CHANNEL_PORT=5601 kvroute sim --kv-transfer-config \
+      '{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}' --link-mb-s 104
   curl -s localhost:8001/sim/cached_tokens -H content-type:application/json \\
       -d '{"prompt": "hello"}'                 # ground truth, changes nothing"""
 
@@ -85,6 +89,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="NAME=PATH",
         help="LoRA adapters served as extra model names (their blocks hash apart)",
+    )
+    g.add_argument(
+        "--api-key", default=None, help="require this bearer key on /v1/* (vLLM's --api-key)"
     )
     s = p.add_argument_group("scheduling and latency")
     s.add_argument("--max-batch", type=int, default=64, help="max running requests (max_num_seqs)")
@@ -139,6 +146,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--no-events", action="store_true", help="publish nothing (the silent failure)")
     p.add_argument("--name", default="sim", help="worker name in logs and JSON")
     add_engine_args(p)
+    add_pd_args(p)
     p.set_defaults(func=run)
 
 
@@ -156,6 +164,10 @@ def config_from_args(
         )
     except ValueError as exc:
         raise ConfigError(f"--output-len / latency: {exc}") from None
+    try:
+        kv_transfer = kv_transfer_from_args(args)
+    except PDConfigError as exc:
+        raise ConfigError(str(exc)) from None
     topic = args.topic if args.topic is not None else default_topic
     config = SimConfig(
         model=args.model,
@@ -173,6 +185,8 @@ def config_from_args(
         seed=args.seed,
         output_len=output_len,
         lora_modules=_lora_modules(args.lora_modules),
+        api_key=args.api_key,
+        kv_transfer=kv_transfer,
     )
     return config.replace(**over).validate()
 

@@ -11,6 +11,7 @@ from engines.sim.blockpool import DEFAULT_NONE_HASH_SEED
 from engines.sim.events_pub import DEFAULT_BUFFER_STEPS, DEFAULT_HWM, EndpointError
 from engines.sim.events_pub import loopback_endpoint as _loopback
 from engines.sim.latency import LatencyModel
+from engines.sim.pd_config import KVTransferConfig, PDConfigError
 from engines.sim.tokenizer import DEFAULT_TOKENIZER_DIR
 
 DEFAULT_MODEL = "kvroute-sim"
@@ -48,7 +49,9 @@ class SimConfig:
     seed: int = 0
     output_len: tuple[int, int] = (16, 64)
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) served as extra models
+    api_key: str | None = None  # vLLM's --api-key: guards /v1/* as vLLM does
     name: str = "sim"
+    kv_transfer: KVTransferConfig | None = None  # P/D handoff over NIXL (engines.sim.pd_*)
 
     def replace(self, **changes: object) -> SimConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
@@ -80,6 +83,11 @@ class SimConfig:
                     _loopback(endpoint)
                 except EndpointError as exc:
                     raise ConfigError(f"{key}: {exc}") from None
+        if self.kv_transfer is not None:
+            try:
+                self.kv_transfer.validate()
+            except PDConfigError as exc:
+                raise ConfigError(str(exc)) from None
         return self
 
     @property

@@ -1,7 +1,8 @@
 """The simulated engine: an asyncio step loop around the pure scheduler.
 
-Each step: schedule -> sleep for the latency model's step time -> sample tokens -> hand
-them to the requests' streams -> publish the step's KV events as one batch. Time is
+Each step: schedule -> start the step's remote KV pulls (P/D decode side; they run beside
+the steps, as vLLM's async loads) -> sleep for the latency model's step time -> sample
+tokens -> hand them to the requests' streams -> publish the step's KV events as one batch. Time is
 injected: production uses the event loop's clock and `asyncio.sleep` (the demo measures
 wall-clock TTFT), tests pass a `VirtualClock` and assert on simulated time.
 """
@@ -13,15 +14,15 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from engines.sim.blockpool import NO_KEYS, CacheKeys
 from engines.sim.latency import LatencyModel
 from engines.sim.model import FakeModel
 from engines.sim.request import Sampling, SimRequest
-from engines.sim.scheduler import Scheduler, StepPlan, TokenEvent
+from engines.sim.scheduler import LoadResult, Scheduler, StepPlan, TokenEvent
 from engines.vllm.events import WireEvent
 from indexer.clock import Clock, MonotonicClock
 
@@ -50,9 +51,19 @@ class VirtualClock:
 class EngineObserver(Protocol):
     """Metrics hooks (see `engines.sim.metrics`); the engine itself keeps no histograms."""
 
-    def first_token(self, ttft_s: float) -> None: ...
+    def first_token(self, req: SimRequest, ttft_s: float) -> None: ...
 
     def finished(self, req: SimRequest, e2e_s: float) -> None: ...
+
+
+class KVLoader(Protocol):
+    """Pulls a request's prompt KV from a prefill worker (`engines.sim.pd_connector`)."""
+
+    recompute_failed_loads: bool
+
+    def on_submit(self, req: SimRequest) -> None: ...
+
+    async def load(self, req: SimRequest) -> LoadResult: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +127,7 @@ class Engine:
         wall: Callable[[], float] = time.time,
         publish: Publish | None = None,
         observer: EngineObserver | None = None,
+        loader: KVLoader | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.model = model
@@ -125,6 +137,8 @@ class Engine:
         self._wall = wall
         self._publish = publish
         self.observer = observer
+        self.loader = loader
+        self._loads: set[asyncio.Task[None]] = set()
         self._handles: dict[SimRequest, RequestHandle] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -145,6 +159,10 @@ class Engine:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        for load in list(self._loads):
+            load.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await load
         for req in list(self._handles):
             self.abort(req)
 
@@ -156,7 +174,11 @@ class Engine:
         sampling: Sampling,
         keys: CacheKeys = NO_KEYS,
         request_id: str | None = None,
+        kv_transfer_params: Mapping[str, Any] | None = None,
+        remote: object | None = None,
     ) -> RequestHandle:
+        """Queue a request; `remote` (decode side of P/D) says where its KV is pulled from,
+        `kv_transfer_params` are the client's, kept for the prefill side."""
         prompt = list(prompt_ids)
         req = SimRequest(
             request_id=request_id or f"sim-{next(self._ids)}",
@@ -165,7 +187,12 @@ class Engine:
             keys=keys,
             arrival=self.clock.now(),
             seed=self.model.digest(prompt),
+            kv_transfer_params=kv_transfer_params,
+            remote=remote,
+            remote_prefill=remote is not None and self.loader is not None,
         )
+        if self.loader is not None:
+            self.loader.on_submit(req)
         handle = RequestHandle(self, req)
         self._handles[req] = handle
         self.scheduler.add(req)
@@ -179,6 +206,10 @@ class Engine:
         if handle is not None:
             end = Output(None, len(req.output_ids), self.clock.now(), True, reason, stop, 0)
             handle.queue.put_nowait(end)
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Something outside the loop changed the scheduler's state (freed blocks)."""
         self._wake.set()
 
     def cached_tokens(self, prompt_ids: Sequence[int], keys: CacheKeys = NO_KEYS) -> int:
@@ -207,6 +238,8 @@ class Engine:
     async def _run(self) -> None:
         while True:
             plan = self.scheduler.schedule() if self.scheduler.has_work else None
+            if plan is not None:
+                self._start_loads(plan)
             if plan is None or plan.empty:
                 self._deadline = None  # idle: the next step starts from its own arrival
                 self._wake.clear()
@@ -218,6 +251,23 @@ class Engine:
                 log.exception("simulated engine step failed; aborting its requests")
                 for chunk in plan.chunks:
                     self.abort(chunk.request)
+
+    def _start_loads(self, plan: StepPlan) -> None:
+        for req in plan.loads:
+            task = asyncio.create_task(self._load(req), name=f"kv-load-{req.request_id}")
+            self._loads.add(task)
+            task.add_done_callback(self._loads.discard)
+
+    async def _load(self, req: SimRequest) -> None:
+        assert self.loader is not None
+        try:
+            result = await self.loader.load(req)
+        except Exception:
+            log.exception("KV pull for %s failed unexpectedly", req.request_id)
+            result = "failed"
+        if not self.scheduler.finish_load(req, result, self.loader.recompute_failed_loads):
+            self.abort(req, "error")  # vLLM: FINISHED_ERROR, the client gets a 500
+        self._wake.set()
 
     async def step(self, plan: StepPlan) -> None:
         """Run one scheduled step: wait its cost, sample, deliver, publish."""
@@ -249,7 +299,7 @@ class Engine:
         index = len(req.output_ids) - 1
         if self.observer is not None:
             if index == 0:
-                self.observer.first_token(now - req.arrival)
+                self.observer.first_token(req, now - req.arrival)
             if event.finished:
                 self.observer.finished(req, now - req.arrival)
         if event.finished:

@@ -34,6 +34,7 @@ from engines.sim.asgi import (
     unless_disconnected,
 )
 from engines.sim.metrics import CONTENT_TYPE
+from engines.sim.pd_http import decode_leg, engine_request_id, internal_error
 from engines.sim.protocol import ApiError, GenerateRequest, bad_request, get
 from engines.sim.routes_info import info_routes
 
@@ -73,7 +74,29 @@ def build_app(worker: SimWorker) -> Starlette:
         route("/sim/cached_tokens", cached_tokens, "POST"),
         *(route(p, f, m) for p, f, m in info_routes()),
     ]
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found})
+    if worker.config.api_key:
+        app.add_middleware(ApiKeyGuard, api_key=worker.config.api_key)
+    return app
+
+
+class ApiKeyGuard:
+    """vLLM's --api-key: paths under /v1, /v2, /inference, /cohere need the bearer key;
+    /health, /metrics, /tokenize and the rest do not."""
+
+    GUARDED = ("/v1", "/v2", "/inference", "/cohere")
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if scope["path"].startswith(self.GUARDED) and given != self.expected:
+                await Json({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 async def not_found(request: Request, exc: Exception) -> Response:
@@ -93,6 +116,7 @@ async def chat_completions(w: SimWorker, request: Request) -> Response:
 
 async def _generate(w: SimWorker, request: Request, chat: bool) -> Response:
     gen = w.renderer.generate_request(await json_body(request), chat)
+    gen.remote = decode_leg(w, gen)
     prefix = "chatcmpl" if chat else "cmpl"
     rid = f"{prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
     created = int(time.time())
@@ -109,10 +133,12 @@ async def _collect(
 ) -> dict[str, Any]:
     text: list[str] = []
     last = None
-    async for d in oa.generate(w.engine, gen, w.tokenizer):
+    async for d in oa.generate(w.engine, gen, w.tokenizer, engine_request_id(rid, chat)):
         text.append(d.text)
         last = d
     assert last is not None
+    if last.finish_reason == "error":  # e.g. a failed KV pull under policy "fail"
+        raise internal_error()
     u = oa.usage(len(gen.prompt_ids), last.completion_tokens, last.cached_tokens, full=True)
     shape = oa.chat_body if chat else oa.completion_body
     return shape(rid, created, gen.model, last, "".join(text), u, w.fingerprint)
@@ -124,7 +150,10 @@ async def _sse(
     if chat:
         yield dumps(oa.chat_role_chunk(rid, created, gen.model))
     last = None
-    async for d in oa.generate(w.engine, gen, w.tokenizer):
+    async for d in oa.generate(w.engine, gen, w.tokenizer, engine_request_id(rid, chat)):
+        if d.finish_reason == "error":  # vLLM: an error event, then [DONE]
+            yield dumps(internal_error().body())
+            break
         last = d
         chunk = (oa.chat_chunk if chat else oa.completion_chunk)(rid, created, gen.model, d)
         if d.finish_reason is not None and not gen.include_usage:
@@ -137,7 +166,7 @@ async def _sse(
                 "completion_tokens": d.completion_tokens,
             }
         yield dumps(chunk)
-    if gen.include_usage and last is not None:
+    if gen.include_usage and last is not None and last.finish_reason is not None:
         u = oa.usage(len(gen.prompt_ids), last.completion_tokens, last.cached_tokens, full=False)
         obj = "chat.completion.chunk" if chat else "text_completion"
         yield dumps(oa.usage_chunk(rid, created, gen.model, obj, u, w.fingerprint))

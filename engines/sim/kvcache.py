@@ -51,9 +51,11 @@ class KVCacheManager:
         hit: Sequence[Block] = (),
         *,
         full_sequence_must_fit: bool = False,
+        cache: bool = True,
     ) -> bool:
         """Reserve blocks for `num_new` more tokens (after adopting `hit`); False when the
-        pool cannot hold them. Newly full blocks become cached at once, as in vLLM."""
+        pool cannot hold them. Newly full blocks become cached at once, as in vLLM, unless
+        `cache` is False (blocks a remote pull fills: cached when the pull is done)."""
         bs = self.block_size
         held = len(req.blocks) + len(hit)
         revived = sum(1 for b in hit if b.ref_cnt == 0)  # leave the free queue when touched
@@ -70,7 +72,8 @@ class KVCacheManager:
             req.blocks.extend(hit)
             req.num_cached_blocks = len(req.blocks)
         req.blocks.extend(self.pool.allocate(n_alloc))
-        self.cache_blocks(req, min(computed + num_new, req.num_tokens))
+        if cache:
+            self.cache_blocks(req, min(computed + num_new, req.num_tokens))
         return True
 
     def cache_blocks(self, req: SimRequest, num_tokens: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from engines.sim.engine import EngineStats
+from engines.sim.pd_metrics import NixlMetrics, PromptSourceMetrics
 from engines.sim.request import SimRequest
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -47,6 +48,8 @@ class SimMetrics:
         ).labels(*lv)
         self._counters(r, lv)
         self._histograms(r, lv)
+        self.sources = PromptSourceMetrics(r, lv)
+        self.labels = lv
         info = Gauge(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
@@ -100,8 +103,13 @@ class SimMetrics:
 
     # ---- EngineObserver ------------------------------------------------------------------
 
-    def first_token(self, ttft_s: float) -> None:
+    def first_token(self, req: SimRequest, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
+        self.sources.prefilled(req)
+
+    def nixl(self) -> NixlMetrics:
+        """The NIXL transfer metrics, for a worker with a connector."""
+        return NixlMetrics(self.registry, self.labels)
 
     def finished(self, req: SimRequest, e2e_s: float) -> None:
         self.e2e.observe(e2e_s)

@@ -60,31 +60,41 @@ class Delta:
     stop_reason: int | str | None
     completion_tokens: int
     cached_tokens: int
+    kv_transfer_params: dict[str, Any] | None = None  # on the last delta of a prefill leg
 
 
-async def generate(engine: Engine, gen: GenerateRequest, tok: SimTokenizer) -> AsyncIterator[Delta]:
+async def generate(
+    engine: Engine, gen: GenerateRequest, tok: SimTokenizer, request_id: str | None = None
+) -> AsyncIterator[Delta]:
     """Run one request on the engine; leaving the iteration early aborts it."""
     sampling = Sampling(gen.max_tokens, gen.ignore_eos, gen.min_tokens, gen.stop_token_ids)
-    handle = engine.submit(gen.prompt_ids, sampling, gen.keys)
+    handle = engine.submit(
+        gen.prompt_ids, sampling, gen.keys, request_id, gen.kv_transfer_params, gen.remote
+    )
     text = TextStream(tok, gen.stop, gen.include_stop_str)
     n = 0
     async for out in handle.outputs():
+        cached = _cached_tokens(gen, out.num_cached_tokens)
         if out.token_id is None:  # aborted under us (shutdown, reset of running requests)
-            yield Delta(
-                text.flush(), [], out.finish_reason or "abort", None, n, out.num_cached_tokens
-            )
+            yield Delta(text.flush(), [], out.finish_reason or "abort", None, n, cached)
             return
         n += 1
         delta, matched = text.add(out.token_id)
         if matched is not None:
             handle.abort("stop", matched)
-            yield Delta(delta, [out.token_id], "stop", matched, n, out.num_cached_tokens)
+            yield Delta(delta, [out.token_id], "stop", matched, n, cached)
             return
         if out.finished:
             delta += text.flush()
-        yield Delta(
-            delta, [out.token_id], out.finish_reason, out.stop_reason, n, out.num_cached_tokens
-        )
+        params = handle.request.kv_transfer_out if out.finished else None
+        yield Delta(delta, [out.token_id], out.finish_reason, out.stop_reason, n, cached, params)
+
+
+def _cached_tokens(gen: GenerateRequest, own: int) -> int:
+    """A decode leg reports the prefill side's hits (`remote_prefill_cached_tokens`), not
+    its own ~100% from the pull, as vLLM's output processor does."""
+    remote = getattr(gen.remote, "prefill_cached_tokens", None)
+    return remote if isinstance(remote, int) else own
 
 
 # ---- bodies --------------------------------------------------------------------------------
@@ -129,7 +139,7 @@ def completion_body(
         "service_tier": None,
         "system_fingerprint": fp,
         "usage": u,
-        "kv_transfer_params": None,
+        "kv_transfer_params": d.kv_transfer_params,
         "ec_transfer_params": None,
         "metrics": None,
     }
@@ -168,7 +178,7 @@ def chat_body(
         "prompt_logprobs": None,
         "prompt_token_ids": None,
         "prompt_text": None,
-        "kv_transfer_params": None,
+        "kv_transfer_params": d.kv_transfer_params,
         "ec_transfer_params": None,
         "metrics": None,
     }

@@ -108,6 +108,8 @@ class GenerateRequest:
     min_tokens: int = 0
     return_token_ids: bool = False
     body: Mapping[str, Any] = field(default_factory=dict)
+    kv_transfer_params: dict[str, Any] | None = None
+    remote: Any = None  # the decode leg's validated pull (engines.sim.pd_wire.RemoteParams)
 
 
 class Renderer:
@@ -244,6 +246,7 @@ class Renderer:
             min_tokens=non_negative(body, "min_tokens", 0) or 0,
             return_token_ids=bool(get(body, "return_token_ids", bool, False)),
             body=body,
+            kv_transfer_params=get(body, "kv_transfer_params", dict, None),
         )
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from engines.sim.blockpool import NO_KEYS, Block, CacheKeys, EngineHash
 
@@ -12,6 +14,7 @@ class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # blocks allocated, KV being pulled
     FINISHED = "finished"
 
 
@@ -43,6 +46,12 @@ class SimRequest:
     num_cached_blocks: int = 0  # blocks of this request already in the prefix cache
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Prefill -> decode handoff (engines.sim.pd_connector):
+    kv_transfer_params: Mapping[str, Any] | None = None  # as the client sent them
+    remote: Any = None  # decode side: where to pull the prompt's KV from (RemoteParams)
+    remote_prefill: bool = False  # the pull is still to start
+    num_external_tokens: int = 0  # prompt tokens whose KV was pulled, not computed
+    kv_transfer_out: dict[str, Any] | None = None  # prefill side: params for the decode leg
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -50,6 +50,7 @@ async def sim_stats(w: SimWorker, _: Request) -> Response:
             "blocks_evicted": pool.counters.evicted,
             "blocks_stored": pool.counters.stored,
             "event_batches": w.publisher.seq if w.publisher else 0,
+            "kv_transfer": w.connector.stats() if w.connector else None,
         }
     )
 

@@ -7,6 +7,14 @@ queue, recomputed later). Then, if nothing was preempted, waiting requests are a
 FCFS order while the batch has room (`max_num_seqs`), the token budget
 (`max_num_batched_tokens`) lasts and the pool can hold the whole prompt; the first that does
 not fit blocks the queue.
+
+Prefill -> decode (vLLM's NixlConnector, pull mode): a waiting request whose prompt KV is to
+be pulled from a prefill worker gets blocks for its whole prompt, adopts its local prefix
+hit, and leaves the queue for WAITING_FOR_REMOTE_KVS (the step plan lists it in `loads`;
+the engine runs the pull). When the pull is done (`finish_load`) the pulled blocks are cached
+(BlockStored) and the request re-enters the queue with all but its last prompt token
+computed. A finished request whose blocks a connector keeps for a decode worker (`retain`)
+is not freed here; the connector frees it later.
 """
 
 from __future__ import annotations
@@ -14,7 +22,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
+from engines.sim.blockpool import Block
 from engines.sim.kvcache import KVCacheManager
 from engines.sim.request import SimRequest, Status
 
@@ -34,6 +44,7 @@ class StepPlan:
     chunks: list[Chunk] = field(default_factory=list)
     preempted: list[SimRequest] = field(default_factory=list)
     admitted: list[SimRequest] = field(default_factory=list)
+    loads: list[SimRequest] = field(default_factory=list)  # remote KV pulls to start
 
     @property
     def empty(self) -> bool:
@@ -57,6 +68,8 @@ class PrefixStats:
 
 
 Sampler = Callable[[SimRequest], int]
+Retain = Callable[[SimRequest], bool]
+LoadResult = Literal["ok", "failed", "fatal"]
 
 
 class Scheduler:
@@ -76,7 +89,9 @@ class Scheduler:
         self.eos_token_id = eos_token_id
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
+        self.loading: list[SimRequest] = []  # WAITING_FOR_REMOTE_KVS
         self.stats = PrefixStats()
+        self.retain: Retain | None = None  # a connector keeping finished requests' blocks
 
     @property
     def has_work(self) -> bool:
@@ -90,14 +105,17 @@ class Scheduler:
         """End a request now (finished, aborted or stopped by a stop string)."""
         if req.finished:
             return
+        loading = req.status is Status.WAITING_FOR_REMOTE_KVS
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.stop_reason = stop_reason
+        # A pull in flight still writes into the blocks: `finish_load` frees them.
+        if not loading and not (self.retain is not None and self.retain(req)):
+            self.kv.free(req)
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -129,8 +147,15 @@ class Scheduler:
     def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hit = self.kv.computed_blocks(req)
-            num_hit = len(hit) * self.kv.block_size
+            if req.blocks:  # KV pulled from a prefill worker: all but the last token
+                hit, num_hit = [], req.num_computed
+            else:
+                hit = self.kv.computed_blocks(req)
+                num_hit = len(hit) * self.kv.block_size
+            if req.remote_prefill:
+                if not self._start_load(plan, req, hit, num_hit):
+                    break
+                continue
             n = min(req.num_tokens - num_hit, budget)
             if not self.kv.allocate_slots(req, n, hit, full_sequence_must_fit=True):
                 break
@@ -145,6 +170,48 @@ class Scheduler:
             plan.chunks.append(Chunk(req, n, num_hit, True))
             req.num_computed = num_hit + n
             budget -= n
+
+    def _start_load(self, plan: StepPlan, req: SimRequest, hit: list[Block], num_hit: int) -> bool:
+        """Allocate the whole prompt and hand the request to the engine's pull (vLLM:
+        `load_kv_async`); it takes no token budget and no batch slot while it waits."""
+        external = req.num_tokens - num_hit
+        if not self.kv.allocate_slots(req, external, hit, full_sequence_must_fit=True, cache=False):
+            return False
+        self.waiting.popleft()
+        req.remote_prefill = False  # one transfer per request, as vLLM
+        req.status = Status.WAITING_FOR_REMOTE_KVS
+        req.num_computed = num_hit
+        req.num_external_tokens = external
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = num_hit + external  # vLLM: local + external
+            self.stats.queries += req.num_tokens
+            self.stats.hits += num_hit
+        self.loading.append(req)
+        plan.loads.append(req)
+        return True
+
+    def finish_load(self, req: SimRequest, result: LoadResult, recompute: bool) -> bool:
+        """The pull for `req` ended. "ok": cache the pulled blocks and queue the request to
+        compute its last prompt token; a failure with `recompute`: queue it to compute the
+        prompt locally. Returns False when the request must fail (the caller finishes it)."""
+        self.loading.remove(req)
+        if req.finished:  # aborted while pulling
+            self.kv.free(req)
+            return True
+        if result == "ok":
+            self.kv.cache_blocks(req, req.num_prompt_tokens)
+            req.num_computed = req.num_tokens - 1  # its logits must be computed here
+        else:
+            self.kv.free(req)
+            req.num_computed = 0
+            req.num_external_tokens = 0
+            req.num_cached_tokens = -1
+            if result == "fatal" or not recompute:
+                req.status = Status.WAITING  # `finish` takes it from here
+                return False
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        return True
 
     def _preempt(self, req: SimRequest) -> None:
         self.kv.free(req)

@@ -33,7 +33,10 @@ from engines.sim.http import build_app
 from engines.sim.kvcache import KVCacheManager
 from engines.sim.metrics import SimMetrics
 from engines.sim.model import FakeModel
+from engines.sim.pd_config import nixl_available
+from engines.sim.pd_connector import NixlConnector
 from engines.sim.protocol import Renderer
+from engines.sim.request import SimRequest
 from engines.sim.scheduler import Scheduler
 from engines.sim.tokenizer import SimTokenizer
 from indexer.clock import Clock
@@ -89,6 +92,7 @@ class SimWorker:
         )
         self.publisher = EventPublisher(_publisher_config(c)) if c.events else None
         self.metrics = SimMetrics(c.model, c.cache_info())
+        self.connector = self._connector(clock)
         self.engine = Engine(
             self.scheduler,
             model,
@@ -98,6 +102,7 @@ class SimWorker:
             wall=wall,
             publish=self.publisher.publish if self.publisher else None,
             observer=self.metrics,
+            loader=self.connector,
         )
         loras = {
             name: CacheKeys(lora_name=name, lora_path=path, lora_id=i + 1)
@@ -112,12 +117,39 @@ class SimWorker:
         self.port: int | None = None
         self.startup_error: Exception | None = None
 
+    def _connector(self, clock: Clock | None) -> NixlConnector | None:
+        """The P/D connector when configured; NIXL missing fails here, with the fix."""
+        c = self.config
+        if c.kv_transfer is None:
+            return None
+        missing = nixl_available()
+        if missing is not None:
+            raise RuntimeError(f"worker {c.name}: {missing}")
+        connector = NixlConnector(
+            c.kv_transfer,
+            block_size=c.block_size,
+            num_blocks=c.kv_blocks,
+            model=c.model,
+            metrics=self.metrics.nixl(),
+            release=self._release,
+            clock=clock,
+        )
+        self.scheduler.retain = connector.on_finished
+        return connector
+
+    def _release(self, req: SimRequest) -> None:
+        """Free the blocks a connector kept for a decode worker."""
+        self.scheduler.kv.free(req)
+        self.engine.wake()
+
     # ---- lifespan (called by the app) ----------------------------------------------------
 
     async def startup(self) -> None:
         try:
             if self.publisher is not None:
                 await self.publisher.start()
+            if self.connector is not None:
+                await self.connector.start()
             await self.engine.start()
         except Exception as exc:
             self.startup_error = exc
@@ -125,6 +157,8 @@ class SimWorker:
 
     async def shutdown(self) -> None:
         await self.engine.stop()
+        if self.connector is not None:
+            await self.connector.stop()
         if self.publisher is not None:
             await self.publisher.stop()
 
@@ -217,6 +251,7 @@ class SimWorker:
             "prefix_caching": c.enable_prefix_caching,
             "int_hashes": c.int_hashes,
             "tokenizer": str(c.tokenizer),
+            "kv_transfer": self.connector.info() if self.connector else None,
         }
 
 

@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines.base import EngineMetrics, EventSource
+from engines.base import EngineMetrics, EventSource, RankLoad
 
 
 def event_sources(doc: Any, worker_url: str) -> list[EventSource]:
@@ -69,8 +69,10 @@ def _connectable(endpoint: str, host: str) -> str:
 
 
 def parse_metrics(text: str) -> EngineMetrics:
-    """The vLLM gauges the router blends into its load view, summed over label sets."""
+    """The vLLM gauges the router blends into its load view, summed over label sets, and
+    split per data-parallel rank (the `engine` label) where the engine runs several."""
     values: dict[str, float] = {}
+    ranks: dict[int, dict[str, float]] = {}
     info: dict[str, str] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -79,16 +81,30 @@ def parse_metrics(text: str) -> EngineMetrics:
                 info = dict(sample.labels)
             elif name in _WANTED:
                 values[name] = values.get(name, 0.0) + sample.value
+                rank = _int(sample.labels.get("engine"))
+                if rank is not None:
+                    mine = ranks.setdefault(rank, {})
+                    mine[name] = mine.get(name, 0.0) + sample.value
+    by_rank = {
+        r: RankLoad(
+            v.get("vllm:num_requests_running", 0.0),
+            v.get("vllm:num_requests_waiting", 0.0),
+            v.get("vllm:kv_cache_usage_perc"),
+        )
+        for r, v in ranks.items()
+    }
+    usage = values.get("vllm:kv_cache_usage_perc")
     return EngineMetrics(
         running=values.get("vllm:num_requests_running", 0.0),
         waiting=values.get("vllm:num_requests_waiting", 0.0),
-        kv_usage=values.get("vllm:kv_cache_usage_perc"),
+        kv_usage=usage / len(by_rank) if usage is not None and len(by_rank) > 1 else usage,
         block_size=_int(info.get("block_size")),
         num_gpu_blocks=_int(info.get("num_gpu_blocks")),
         prefix_caching=_bool(info.get("enable_prefix_caching")),
         hash_algo=info.get("prefix_caching_hash_algo"),
         prefix_queries=values.get("vllm:prefix_cache_queries_total"),
         prefix_hits=values.get("vllm:prefix_cache_hits_total"),
+        by_rank=by_rank,
     )
 
 

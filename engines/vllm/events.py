@@ -4,22 +4,43 @@ The structs mirror vLLM's exactly (field order, defaults, map layout with the "t
 first, defaults omitted) so that the simulator's frames are byte-compatible and decoding
 real frames needs no guessing. Older vLLM sent events as arrays with the tag first; both
 layouts decode. `decode_batch` turns a payload into engine-neutral `indexer.events`.
+
+Payloads are untrusted: whatever arrives on the socket either decodes to events the index
+can apply, or raises `MalformedPayload` with a `reason` (the label of the ingest's counter):
+
+    too_large       more bytes than `Limits.max_bytes`
+    too_deep        nested deeper than `Limits.max_depth`
+    too_long        a list or map with more than `Limits.max_items` items
+    decode          not msgpack, or not the `[ts, events, dp_rank]` array
+    bad_type        an event that is not a map or an array, or whose type tag is no string
+    bad_event       an event whose fields have the wrong types, counts or ranges
+    bad_extra_keys  `extra_keys` not one entry per block
+
+Decoding tries a fully typed decoder first: it cannot recurse deeper than the structs do,
+so it needs no pre-check and is the path every payload of today's vLLM takes. Anything it
+refuses (a field from a newer vLLM, the older array layout, bytes in `extra_keys`, junk)
+is first walked by `engines.msgpack_guard` and only then handed to the lenient decoders.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
+from engines.msgpack_guard import Limits, StructureError, check_size, check_structure
 from indexer import events as ev
 from indexer.hashing import EngineBlockHash
+from indexer.ingest import MalformedBatch
 
 WireHash = int | bytes
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
+LIMITS = Limits()
 
 
-class MalformedPayload(ValueError):
-    """A payload that is not a vLLM KV event batch. Counted and dropped by the caller."""
+class MalformedPayload(MalformedBatch):
+    """A payload that is not a vLLM KV event batch. Counted (by `reason`) and dropped by
+    the caller."""
 
 
 class _Event(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
@@ -29,7 +50,7 @@ class _Event(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
 class BlockStored(_Event):
     block_hashes: list[WireHash]
     parent_block_hash: WireHash | None
-    token_ids: list[int]
+    token_ids: list[TokenId]
     block_size: int
     lora_id: int | None
     medium: str | None
@@ -85,6 +106,31 @@ class _ArrCleared(AllBlocksCleared, array_like=True, tag="AllBlocksCleared"):
 
 _ArrEvent = _ArrStored | _ArrRemoved | _ArrCleared
 
+# What vLLM puts in `extra_keys`: LoRA names, cache salts, (mm identifier, offset) pairs.
+# Prompt-embedding digests (bytes) take the lenient path: a union may hold str or bytes.
+_TypedExtraKeys = list[list[str | int | list[str | int]] | None] | None
+
+
+class _Typed:
+    """The same events with every field typed and unknown fields refused: decoding them
+    cannot nest deeper than the structs, whatever the bytes say. Same names, same tags."""
+
+    class BlockStored(BlockStored, forbid_unknown_fields=True, tag="BlockStored"):
+        extra_keys: _TypedExtraKeys = None
+
+    class BlockRemoved(BlockRemoved, forbid_unknown_fields=True, tag="BlockRemoved"):
+        pass
+
+    class AllBlocksCleared(AllBlocksCleared, forbid_unknown_fields=True, tag="AllBlocksCleared"):
+        pass
+
+    class Batch(msgspec.Struct, array_like=True, gc=False):
+        ts: float
+        events: list[_Typed.BlockStored | _Typed.BlockRemoved | _Typed.AllBlocksCleared]
+        data_parallel_rank: int | None = None
+
+
+_typed = msgspec.msgpack.Decoder(_Typed.Batch)
 _fast = msgspec.msgpack.Decoder(WireBatch)
 _raw = msgspec.msgpack.Decoder(_RawBatch)
 _encoder = msgspec.msgpack.Encoder()
@@ -96,8 +142,32 @@ def encode_batch(ts: float, events: list[WireEvent], dp_rank: int | None = 0) ->
     return _encoder.encode(WireBatch(ts=ts, events=events, data_parallel_rank=dp_rank))
 
 
-def decode_wire(payload: bytes) -> tuple[WireBatch, int]:
-    """Decode to the mirrored wire structs; returns (batch, events skipped as unknown)."""
+def decode_wire(payload: bytes, limits: Limits = LIMITS) -> tuple[WireBatch, int]:
+    """Decode to the mirrored wire structs; returns (batch, events skipped as unknown).
+    Raises `MalformedPayload` for anything else, within `limits`."""
+    try:
+        check_size(payload, limits)
+    except StructureError as exc:
+        raise MalformedPayload(str(exc), exc.reason) from None
+    try:
+        typed = _typed.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return _decode_checked(payload, limits)
+    events: list[WireEvent] = [*typed.events]
+    return WireBatch(typed.ts, events, typed.data_parallel_rank), 0
+
+
+def _decode_checked(payload: bytes, limits: Limits) -> tuple[WireBatch, int]:
+    try:
+        check_structure(payload, limits)
+    except StructureError as exc:
+        raise MalformedPayload(str(exc), exc.reason) from None
+    return _decode_lenient(payload)
+
+
+def _decode_lenient(payload: bytes) -> tuple[WireBatch, int]:
+    """Unknown fields and event types, the older array layout. Only for payloads
+    `check_structure` passed: the decoders below recurse into `Any`."""
     try:
         return _fast.decode(payload), 0
     except (msgspec.DecodeError, msgspec.ValidationError):
@@ -105,7 +175,7 @@ def decode_wire(payload: bytes) -> tuple[WireBatch, int]:
     try:
         raw = _raw.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise MalformedPayload(f"not a KV event batch: {exc}") from None
+        raise MalformedPayload(f"not a KV event batch: {exc}", "decode") from None
     known: list[WireEvent] = []
     skipped = 0
     for item in raw.events:
@@ -119,24 +189,27 @@ def decode_wire(payload: bytes) -> tuple[WireBatch, int]:
 
 def _convert_one(item: Any) -> WireEvent | None:
     """One event of either layout; None for a well-formed event of an unknown type."""
+    if isinstance(item, dict):
+        tag = item.get("type")
+    elif isinstance(item, list) and item:
+        tag = item[0]
+    else:
+        raise MalformedPayload(f"not a KV event: {_clip(item)}", "bad_type")
+    if not isinstance(tag, str):
+        raise MalformedPayload(f"event type tag is not a string: {_clip(item)}", "bad_type")
+    if tag not in _KNOWN:
+        return None
     try:
         if isinstance(item, dict):
-            if item.get("type") not in _KNOWN:
-                return None if isinstance(item.get("type"), str) else _bad(item)
             event: WireEvent = msgspec.convert(item, WireEvent)
             return event
-        if isinstance(item, list) and item:
-            if item[0] not in _KNOWN:
-                return None if isinstance(item[0], str) else _bad(item)
-            arr: _ArrStored | _ArrRemoved | _ArrCleared = msgspec.convert(item, _ArrEvent)
-            return _from_array(arr)
+        return _from_array(msgspec.convert(item, _ArrEvent))
     except msgspec.ValidationError as exc:
-        raise MalformedPayload(f"bad event {str(item)[:120]}: {exc}") from None
-    return _bad(item)
+        raise MalformedPayload(f"bad {tag} event: {exc}", "bad_event") from None
 
 
-def _bad(item: Any) -> WireEvent:
-    raise MalformedPayload(f"not a KV event: {str(item)[:120]}")
+def _clip(item: Any) -> str:
+    return repr(item)[:120]
 
 
 def _from_array(arr: _ArrStored | _ArrRemoved | _ArrCleared) -> WireEvent:
@@ -147,9 +220,10 @@ def _from_array(arr: _ArrStored | _ArrRemoved | _ArrCleared) -> WireEvent:
     return AllBlocksCleared()
 
 
-def decode_batch(payload: bytes) -> ev.EventBatch:
-    """Decode a vLLM payload into engine-neutral events the index applies."""
-    wire, skipped = decode_wire(payload)
+def decode_batch(payload: bytes, limits: Limits = LIMITS) -> ev.EventBatch:
+    """Decode a vLLM payload into engine-neutral events the index applies. Everything the
+    index could choke on is refused here, before any of the batch is applied."""
+    wire, skipped = decode_wire(payload, limits)
     out: list[ev.KvEvent] = []
     for event in wire.events:
         if isinstance(event, BlockStored):
@@ -183,7 +257,9 @@ def _one_hash(h: WireHash) -> EngineBlockHash:
 
 def _bytes_hash(h: WireHash) -> EngineBlockHash:
     if not isinstance(h, bytes):
-        raise MalformedPayload(f"block hash must be int or bytes, got {type(h).__name__}")
+        raise MalformedPayload(
+            f"block hash must be int or bytes, got {type(h).__name__}", "bad_event"
+        )
     return EngineBlockHash(int.from_bytes(h, "big"))
 
 
@@ -192,7 +268,14 @@ def _stored(event: BlockStored) -> ev.BlockStored:
     if n == 0 or event.block_size <= 0 or len(event.token_ids) != n * event.block_size:
         raise MalformedPayload(
             f"BlockStored with {n} hashes, block_size {event.block_size} and "
-            f"{len(event.token_ids)} token ids (expected hashes * block_size)"
+            f"{len(event.token_ids)} token ids (expected hashes * block_size)",
+            "bad_event",
+        )
+    if event.extra_keys is not None and len(event.extra_keys) != n:
+        raise MalformedPayload(
+            f"BlockStored with {n} hashes and {len(event.extra_keys)} extra_keys entries "
+            "(expected one per block)",
+            "bad_extra_keys",
         )
     parent = None if event.parent_block_hash is None else _one_hash(event.parent_block_hash)
     salt, extras = _split_extra_keys(event.extra_keys, event.lora_name, parent is None)

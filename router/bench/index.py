@@ -1,5 +1,7 @@
-"""`kvroute bench index`: the prefix index under a fleet-sized workload, and Dynamo's
-RadixTree on the same workload in the same process when `ai-dynamo-runtime` is installed.
+"""`kvroute bench index`: the prefix index under a fleet-sized workload, every built backend
+(C core, pure Python) and Dynamo's RadixTree on the same workload in the same process when
+`ai-dynamo-runtime` is installed; medians over rounds. `--scale 1m 10m` adds the growth
+figures (router/bench/index_scale.py).
 
 Workload: 8 workers, ~100k stored blocks (block size 16). Each worker serves requests made of
 a shared prefix (16 prefixes of 384 blocks) cut at a random point plus a private tail; like
@@ -21,7 +23,7 @@ from typing import Any
 
 from indexer.events import BlockStored, EventBatch
 from indexer.hashing import EngineBlockHash, Namespace, hash_request
-from indexer.index import PrefixIndex
+from indexer.index import PrefixIndex, available_backends
 
 BLOCK = 16
 WORKERS = 8
@@ -104,11 +106,12 @@ def _pcts(samples: list[float]) -> dict[str, float]:
     return {"p50": round(statistics.median(s), 2), "p99": round(s[int(len(s) * 0.99) - 1], 2)}
 
 
-def bench_kvroute(wl: Workload) -> dict[str, Any]:
+def bench_kvroute(wl: Workload, backend: str) -> dict[str, Any]:
+    """One round for one index backend: apply throughput, lookups, memory."""
     names = [f"w{i}" for i in range(WORKERS)]
 
     def fresh() -> PrefixIndex:
-        ix = PrefixIndex()
+        ix = PrefixIndex(backend=backend)
         for n in names:
             ix.add_worker(n)
         return ix
@@ -122,8 +125,7 @@ def bench_kvroute(wl: Workload) -> dict[str, Any]:
     def apply_index_only() -> PrefixIndex:
         ix = fresh()
         for w, event, rhs in wl.events:
-            eng = ix._workers[names[w]].eng
-            parent = None if event.parent is None else eng[event.parent]
+            parent = None if event.parent is None else ix.router_hash_of(names[w], event.parent)
             ix.store_hashes(names[w], event.engine_hashes, rhs, parent)  # type: ignore[arg-type]
         return ix
 
@@ -139,6 +141,7 @@ def bench_kvroute(wl: Workload) -> dict[str, Any]:
     tracemalloc.stop()
     entries = int(measured.stats()["entries"])  # type: ignore[call-overload]
     return {
+        "backend": backend,
         "apply_blocks_per_s": round(wl.stored_blocks / index_only),
         "apply_blocks_per_s_with_hashing": round(wl.stored_blocks / with_hash),
         "find_matches_us": _find_matches(wl, lambda q: ix.find_matches(_hashes(q))),  # type: ignore[arg-type]
@@ -262,23 +265,53 @@ def _rss() -> int:
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
-def run(json_path: Path | None) -> dict[str, Any]:
+def run(json_path: Path | None, repeat: int = 3, scale: Sequence[str] = ()) -> dict[str, Any]:
+    """Each round measures every built backend and the peer in turn; medians over rounds."""
     t0 = time.perf_counter()
     wl = build_workload()
     print(
         f"workload: {len(wl.events)} events, {wl.stored_blocks} stored blocks, "
-        f"{WORKERS} workers, block size {BLOCK} ({time.perf_counter() - t0:.1f} s to build)"
+        f"{WORKERS} workers, block size {BLOCK} ({time.perf_counter() - t0:.1f} s to build); "
+        f"{repeat} rounds, medians"
     )
-    result: dict[str, Any] = bench_kvroute(wl)
-    peer = bench_dynamo(wl)
-    if peer is not None:
-        result["peer"] = {"name": "ai-dynamo-runtime RadixTree", **peer}
+    rounds: dict[str, list[dict[str, Any]]] = {b: [] for b in available_backends()}
+    peer_rounds: list[dict[str, Any]] = []
+    for _ in range(repeat):
+        for backend, runs in rounds.items():
+            runs.append(bench_kvroute(wl, backend))
+        peer = bench_dynamo(wl)
+        if peer is not None:
+            peer_rounds.append(peer)
+    backends = {b: _median_of(runs) for b, runs in rounds.items()}
+    result: dict[str, Any] = {**backends[available_backends()[0]], "backends": backends}
+    result["rounds"] = repeat
+    if peer_rounds:
+        peer = {"name": "ai-dynamo-runtime RadixTree", **_median_of(peer_rounds)}
+        result["peer"] = peer
         result["ratios"] = _ratios(result, peer)
     _print(result)
+    if scale:
+        from router.bench.index_scale import run_scale
+
+        result["scale"] = run_scale(scale)
     if json_path is not None:
         json_path.write_text(json.dumps(result, indent=2))
         print(f"wrote {json_path}")
     return result
+
+
+def _median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The per-key median of rounds with the same shape (numbers only; others from round 1)."""
+    out: dict[str, Any] = {}
+    for key, first in runs[0].items():
+        if isinstance(first, dict):
+            out[key] = _median_of([r[key] for r in runs])
+        elif isinstance(first, int | float) and not isinstance(first, bool):
+            m = statistics.median(r[key] for r in runs)
+            out[key] = round(m) if isinstance(first, int) else round(m, 2)
+        else:
+            out[key] = first
+    return out
 
 
 def _ratios(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, float]:
@@ -294,38 +327,29 @@ def _ratios(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, float]:
 
 
 def _print(result: dict[str, Any]) -> None:
+    cols = [(f"kvroute/{b}", r) for b, r in result["backends"].items()]
     peer = result.get("peer")
-    rows = [
-        ("find_matches 64 blocks, tokens in, p50/p99 us", "find_matches_us", "64"),
-        ("find_matches 512 blocks, tokens in, p50/p99 us", "find_matches_us", "512"),
-        ("find_matches 64 blocks, hashes in, p50/p99 us", "find_matches_only_us", "64"),
-        ("find_matches 512 blocks, hashes in, p50/p99 us", "find_matches_only_us", "512"),
-    ]
-    print(f"{'':50} {'kvroute':>18} {'dynamo' if peer else '':>18}")
-    for label, key, size in rows:
-        ours = result[key][size]
-        theirs = peer[key][size] if peer else None
-        print(
-            f"{label:50} {ours['p50']:>9}/{ours['p99']:<8} "
-            + (f"{theirs['p50']:>9}/{theirs['p99']:<8}" if theirs else "")
-        )
-    print(
-        f"{'apply blocks/s (index only)':50} {result['apply_blocks_per_s']:>18,} "
-        + (f"{peer['apply_blocks_per_s']:>18,}" if peer else "")
-    )
-    print(
-        f"{'apply blocks/s (with hashing token_ids)':50} "
-        f"{result['apply_blocks_per_s_with_hashing']:>18,}"
-    )
-    print(
-        f"{'hash 8,192 tokens p50 us':50} {result['hash_8k_tokens_us']:>18} "
-        + (f"{peer['hash_8k_tokens_us']:>18}" if peer else "")
-    )
-    print(
-        f"{'bytes per entry':50} {result['bytes_per_entry']:>18} "
-        + (f"{peer['bytes_per_entry_rss']:>18} (RSS)" if peer else "")
-    )
+    if peer:
+        cols.append(("dynamo", {**peer, "bytes_per_entry": f"{peer['bytes_per_entry_rss']} RSS"}))
+    print(f"{'':48}" + "".join(f"{name:>18}" for name, _ in cols))
+    for size in ("64", "512"):
+        for key, what in (("find_matches_us", "tokens"), ("find_matches_only_us", "hashes")):
+            cells = [f"{r[key][size]['p50']}/{r[key][size]['p99']}" for _, r in cols]
+            label = f"find_matches {size} blocks, {what} in, p50/p99 us"
+            print(f"{label:48}" + "".join(f"{c:>18}" for c in cells))
+    for key, label in (
+        ("apply_blocks_per_s", "apply blocks/s (index only)"),
+        ("apply_blocks_per_s_with_hashing", "apply blocks/s (with hashing token_ids)"),
+        ("hash_8k_tokens_us", "hash 8,192 tokens p50 us"),
+        ("bytes_per_entry", "bytes per entry"),
+    ):
+        cells = [_cell(r.get(key)) for _, r in cols]
+        print(f"{label:48}" + "".join(f"{c:>18}" for c in cells))
     if peer:
         print("ratios (>1: kvroute better):", json.dumps(result["ratios"]))
     else:
         print("peer: not installed (pip install ai-dynamo-runtime) - no ratios")
+
+
+def _cell(v: object) -> str:
+    return "-" if v is None else f"{v:,}" if isinstance(v, int) else str(v)

@@ -8,7 +8,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.check.checks_router import TOKEN_FIX
+from router.check.checks_router import admin_fix
 from router.check.context import Context, WorkerFacts
 from router.check.httpio import Fetched
 from router.check.model import Finding, Result, Status, failed, passed, verdict, warned
@@ -121,7 +121,8 @@ def _counts_only(router: Fetched) -> bool:
 
 def _compare(kind: str, router: Fetched, worker: Fetched) -> Finding:
     if not router.ok or not isinstance(router.body, dict):
-        hint = f" ({TOKEN_FIX})" if router.status in (401, 403) else ""
+        fix = admin_fix(router)
+        hint = f" ({fix})" if fix else ""
         return Finding(Status.WARN, f"{kind}: router's /debug/route: {router.describe()}{hint}")
     tokens = worker.body.get("tokens") if worker.ok and isinstance(worker.body, dict) else None
     if not isinstance(tokens, list):

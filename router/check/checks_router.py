@@ -9,6 +9,22 @@ from router.check.httpio import Fetched
 from router.check.model import Finding, Result, Status, failed, passed, verdict, warned
 
 TOKEN_FIX = "pass --admin-token TOKEN (or set KVROUTE_ADMIN_TOKEN) to router-check"
+ADMIN_OFF_FIX = (
+    "the router runs without an admin token, so /admin and /debug are off: start kvroute "
+    "with --admin-token TOKEN and pass the same token here (checks that need them are "
+    "skipped with WARN)"
+)
+
+
+def admin_fix(fetched: Fetched | None) -> str | None:
+    """Why an /admin or /debug call was refused, as a fix; None if it was not refused."""
+    if fetched is None or fetched.ok:
+        return None
+    if fetched.status in (401, 403):
+        return TOKEN_FIX
+    if fetched.status == 404 and "admin-token" in str(fetched.body):
+        return ADMIN_OFF_FIX  # kvroute's own 404 (a worker's 404 is about a wrong URL)
+    return None
 
 
 async def check_router(ctx: Context) -> Result:
@@ -46,7 +62,7 @@ def _workers(ctx: Context, listed: int, available: int) -> list[Finding]:
     admin = ctx.router.admin
     assert admin is not None
     if not admin.ok:
-        fix = TOKEN_FIX if admin.status in (401, 403) else "upgrade the router (kvroute serve)"
+        fix = admin_fix(admin) or "upgrade the router (kvroute serve)"
         return [Finding(Status.WARN, f"GET /admin/workers: {admin.describe()} ({fix})")]
     out: list[Finding] = []
     if listed == 0:
@@ -72,7 +88,8 @@ _FIX_AVAILABLE = "the router cannot reach its workers: check their URLs and that
 def _policy(policy: str | None, debug: Fetched | None) -> list[Finding]:
     if policy is None:
         why = debug.describe() if debug is not None else "not asked"
-        hint = f" ({TOKEN_FIX})" if debug is not None and debug.status in (401, 403) else ""
+        fix = admin_fix(debug)
+        hint = f" ({fix})" if fix else ""
         return [Finding(Status.WARN, f"POST /debug/route: {why}: policy unknown{hint}")]
     if policy != "kv":
         return [

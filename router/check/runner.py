@@ -15,7 +15,7 @@ import zmq.asyncio
 
 from router.check.checks_agree import check_block_size, check_index, check_tokenizer
 from router.check.checks_events import check_events_flowing
-from router.check.checks_router import TOKEN_FIX, check_router, check_router_health
+from router.check.checks_router import admin_fix, check_router, check_router_health
 from router.check.checks_routing import check_load_spread, check_repeat_prefix
 from router.check.checks_worker import (
     check_events_config,
@@ -127,11 +127,7 @@ async def _run(ctx: Context) -> Report:
 def _no_workers(ctx: Context) -> str:
     admin = ctx.router.admin
     why = admin.describe() if admin is not None else "not asked"
-    hint = (
-        TOKEN_FIX
-        if admin is not None and admin.status in (401, 403)
-        else ("pass the workers with --worker URL")
-    )
+    hint = admin_fix(admin) or "pass the workers with --worker URL"
     return f"no workers to check: the router's GET /admin/workers gave {why}; {hint}"
 
 

@@ -1,28 +1,41 @@
 """One configuration object, loaded once (YAML file, then environment, then flags: flags
-win) and validated at start with errors that name the field and the fix."""
+win) and validated at start with errors that name the field and the fix. Conversion is
+typed (`router.core.typed`): an unknown key, a wrong type or a bad value is a one-line
+ConfigError, never a traceback."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields, replace
+import random
+from dataclasses import dataclass, field, fields
 from typing import Any
 from urllib.parse import urlsplit
 
+from indexer.index import DEFAULT_MAX_ENTRIES
 from router.core.errors import ConfigError
+from router.core.policies import REGISTRY as POLICY_REGISTRY
+from router.core.profiles import Profile, build_profile
+from router.core.typed import build, convert, fail
 
 MODES = ("events", "approx", "auto")
-POLICIES = ("kv", "round_robin", "random", "least_load")
+POLICIES = tuple(POLICY_REGISTRY)
+ROLES = ("both", "prefill", "decode")
+ENGINES = ("vllm",)  # the adapters in engines.ADAPTERS (a test keeps the two in step)
 ENV_PREFIX = "KVROUTE_"
+REMOTE = "remote"
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
     url: str
-    events: str | None = None  # tcp://host:port; discovered from /kv_event_sources if unset
+    events: str | None = None  # tcp://host:port; discovered from the engine if unset
     replay: str | None = None
     topic: str | None = None
     mode: str | None = None  # overrides the router-wide mode
-    block_size: int | None = None  # learned from events or cache_config_info if unset
+    block_size: int | None = None  # learned from events or the engine's metrics if unset
+    api_key: str | None = field(default=None, repr=False)  # the engine's --api-key; never shown
+    engine: str = "vllm"  # which adapter in engines.ADAPTERS speaks to it
+    role: str = "both"  # prefill | decode | both (prefill->decode handoff)
 
     @property
     def name(self) -> str:
@@ -36,10 +49,7 @@ class ScoringConfig:
     weights: dict[str, float] = field(
         default_factory=lambda: {"prefix": 1.0, "load": 0.5, "headroom": 0.1}
     )
-    tier_credit: dict[str, float] = field(
-        default_factory=lambda: {"GPU": 1.0, "CPU": 0.75, "DISK": 0.25, "STORAGE": 0.25}
-    )
-    temperature: float = 0.0  # 0 = argmax; > 0 samples softmax(score / temperature)
+    params: dict[str, dict[str, Any]] = field(default_factory=dict)  # scorer -> its parameters
     balance_abs: int = 8  # a worker may run this many requests above the least loaded...
     balance_rel: float = 1.5  # ...or this multiple of it, whichever is larger
 
@@ -51,11 +61,18 @@ class Config:
     port: int = 8000
     mode: str = "auto"
     policy: str = "kv"
-    tokenizer: str | None = None  # a folder with tokenizer.json, or "remote"
+    policy_params: dict[str, Any] = field(default_factory=dict)
+    tokenizer: str | None = None  # default for every model: a tokenizer folder, or "remote"
+    tokenizers: dict[str, str] = field(default_factory=dict)  # model -> folder or "remote"
     block_size: int | None = None
-    model: str = ""  # the hash namespace's model part; one pool per router
+    model: str = ""  # the hash namespace's model part (kept "" unless chains must differ)
     metrics: bool = True
-    admin_token: str | None = None
+    admin_token: str | None = field(default=None, repr=False)
+    admin_insecure: bool = False  # admin and debug endpoints without a token (else off: 404)
+    health_details: bool = True  # /health lists worker addresses and problems (else counts only)
+    tls_cert: str | None = None  # serve HTTPS: certificate and key files (PEM)
+    tls_key: str | None = None
+    worker_api_key: str | None = field(default=None, repr=False)  # for workers without api_key
     worker_header: str = "x-kvroute-worker"
     health_degraded_ok: bool = False
     prediction_ttl_s: float = 5.0
@@ -64,11 +81,26 @@ class Config:
     scrape_interval_s: float = 1.0
     health_check_interval_s: float = 2.0
     connect_timeout_s: float = 2.0
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0  # a non-streaming request's whole answer
+    first_byte_timeout_s: float = 120.0  # a stream's first chunk (the prefill)
+    inter_chunk_timeout_s: float = 60.0  # between a stream's chunks
+    health_timeout_s: float = 2.0  # a worker's /health probe
+    eject_after_timeouts: int = 3  # consecutive request timeouts that eject a worker
+    header_timeout_s: float = 10.0  # a client's request head (slowloris)
+    body_timeout_s: float = 60.0  # a client's whole request body
+    drain_delay_s: float = 2.0  # SIGTERM: serve on (not ready, closing connections) this long
+    drain_timeout_s: float = 30.0  # ... then how long in-flight requests may finish
+    forwarded_headers: bool = True  # add X-Forwarded-For/-Proto/-Host upstream
+    access_log: bool = False  # one line per request: model, worker, overlap, status, TTFT
+    otel: bool = False  # an OpenTelemetry span per routing decision (kvroute[otel])
+    log_format: str = "text"  # text | json
     max_body_bytes: int = 32 * 1024 * 1024
-    # worker x block pairs; ~180 bytes each, so the default bounds the index near 700 MB.
+    # worker x block pairs; <100 bytes each (C core; ~180 pure-Python), so ~400 MB at most.
     # A fleet's total KV blocks should fit well below it (see indexer.index on the bound).
-    max_index_entries: int = 4_000_000
+    max_index_entries: int = DEFAULT_MAX_ENTRIES
+    # each worker's entries are capped at its KV capacity (num_gpu_blocks) times this: a
+    # worker whose removals were lost cannot crowd the others out of the index
+    index_cap_margin: float = 2.0
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     seed: int | None = None
     workers_file: str | None = None  # reloaded on change
@@ -80,8 +112,15 @@ class Config:
             raise ConfigError(
                 "workers: no workers configured; pass --worker http://HOST:PORT (repeatable), "
                 "list them under `workers:` in kvroute.yaml, set --workers-file, or set "
-                "--workers-dns HEADLESS_SERVICE:PORT"
+                "--workers-dns HEADLESS_SERVICE:PORT",
+                param="workers",
             )
+        self._check_scalars()
+        self.profile("default")  # scorers, policy and filters: names and parameters
+        validate_workers(self.workers, self.mode)
+        return self
+
+    def _check_scalars(self) -> None:
         if self.workers_dns is not None:
             host, _, port = self.workers_dns.rpartition(":")
             _check(
@@ -106,89 +145,133 @@ class Config:
             "connect_timeout_s",
             "request_timeout_s",
             "health_check_interval_s",
+            "dns_interval_s",
+            "first_byte_timeout_s",
+            "inter_chunk_timeout_s",
+            "health_timeout_s",
+            "header_timeout_s",
+            "body_timeout_s",
+            "drain_timeout_s",
         ):
             _check(getattr(self, name) > 0, name, "must be a positive number of seconds")
-        _check(self.scoring.temperature >= 0, "scoring.temperature", "must be >= 0")
+        _check(self.drain_delay_s >= 0, "drain_delay_s", "must be >= 0 seconds")
+        _check(self.max_body_bytes > 0, "max_body_bytes", "must be a positive number of bytes")
+        _check(self.eject_after_timeouts >= 1, "eject_after_timeouts", "must be >= 1")
+        _check(self.log_format in ("text", "json"), "log_format", "use text or json")
+        _check(
+            (self.tls_cert is None) == (self.tls_key is None),
+            "tls_cert",
+            "give both --tls-cert and --tls-key, or neither",
+        )
+        _check(self.max_index_entries > 0, "max_index_entries", "must be positive")
+        _check(self.index_cap_margin >= 1, "index_cap_margin", "must be >= 1")
         for scorer, weight in self.scoring.weights.items():
             _check(weight >= 0, f"scoring.weights.{scorer}", "weights must be >= 0")
-        seen: set[str] = set()
-        for i, w in enumerate(self.workers):
-            where = f"workers[{i}]"
-            parts = urlsplit(w.url)
-            _check(
-                parts.scheme in ("http", "https") and bool(parts.hostname),
-                f"{where}.url",
-                f"{w.url!r} is not an http(s)://HOST:PORT URL",
-            )
-            _check(w.name not in seen, f"{where}.url", f"{w.url} is listed twice")
-            seen.add(w.name)
-            if w.mode is not None:
-                _check(w.mode in MODES, f"{where}.mode", f"{w.mode!r} not in {MODES}")
-            for key in ("events", "replay"):
-                ep = getattr(w, key)
-                if ep is not None:
-                    _check(ep.startswith("tcp://"), f"{where}.{key}", f"{ep!r}: use tcp://H:P")
-            if w.block_size is not None:
-                _check(w.block_size > 0, f"{where}.block_size", "must be positive")
-        return self
+        _check(self.scoring.balance_abs >= 0, "scoring.balance_abs", "must be >= 0")
+        _check(self.scoring.balance_rel >= 1, "scoring.balance_rel", "must be >= 1")
+        for model, spec in self.tokenizers.items():
+            _check(bool(model) and bool(spec), f"tokenizers.{model}", "give MODEL: PATH|remote")
+
+    def profile(self, name: str, rng: random.Random | None = None) -> Profile:
+        """The routing profile `name` this config describes (only `default` today)."""
+        s = self.scoring
+        return build_profile(
+            name,
+            policy=self.policy,
+            policy_params=self.policy_params,
+            weights=s.weights,
+            scorer_params=s.params,
+            filter_params={
+                "load_bound": {"balance_abs": s.balance_abs, "balance_rel": s.balance_rel}
+            },
+            rng=rng,
+        )
 
     def worker_mode(self, w: WorkerConfig) -> str:
         return w.mode or self.mode
 
+    def api_key_for(self, w: WorkerConfig) -> str | None:
+        return w.api_key or self.worker_api_key
+
+
+def validate_workers(workers: tuple[WorkerConfig, ...], mode: str = "auto") -> None:
+    """Every source of workers (config, file, DNS, admin API) goes through this."""
+    seen: set[str] = set()
+    for i, w in enumerate(workers):
+        where = f"workers[{i}]"
+        parts = urlsplit(w.url)
+        _check(
+            parts.scheme in ("http", "https") and bool(parts.hostname),
+            f"{where}.url",
+            f"{w.url!r} is not an http(s)://HOST:PORT URL",
+        )
+        try:
+            parts.port  # noqa: B018  # raises on a port that is not a number
+        except ValueError:
+            raise fail(f"{where}.url", f"{w.url!r} has a bad port") from None
+        _check(w.name not in seen, f"{where}.url", f"{w.url} is listed twice")
+        seen.add(w.name)
+        if w.mode is not None:
+            _check(w.mode in MODES, f"{where}.mode", f"{w.mode!r} not in {', '.join(MODES)}")
+        for key in ("events", "replay"):
+            ep = getattr(w, key)
+            if ep is not None:
+                _check(ep.startswith("tcp://"), f"{where}.{key}", f"{ep!r}: use tcp://H:P")
+        if w.block_size is not None:
+            _check(w.block_size > 0, f"{where}.block_size", "must be positive")
+        _check(w.role in ROLES, f"{where}.role", f"{w.role!r} not in {', '.join(ROLES)}")
+        _check(w.engine in ENGINES, f"{where}.engine", f"{w.engine!r} not in {', '.join(ENGINES)}")
+
 
 def _check(ok: bool, field_name: str, problem: str) -> None:
     if not ok:
-        raise ConfigError(f"config field {field_name}: {problem}", param=field_name)
+        raise fail(field_name, problem)
 
 
-def from_mapping(doc: dict[str, Any], base: Config | None = None) -> Config:
-    """Build a Config from a YAML-shaped mapping (unknown keys are errors: typos must not
-    pass silently)."""
+def from_mapping(doc: Any, base: Config | None = None) -> Config:
+    """A Config from a YAML-shaped mapping over `base` (unknown keys are errors: typos must
+    not pass silently). Workers may be URLs or mappings; scoring weights and params merge
+    into the defaults."""
     base = base or Config()
-    known = {f.name for f in fields(Config)}
-    unknown = set(doc) - known
-    if unknown:
-        raise ConfigError(
-            f"unknown config field(s): {', '.join(sorted(unknown))}; known: "
-            f"{', '.join(sorted(known))}"
-        )
+    if not isinstance(doc, dict):
+        raise ConfigError("config: the top level must be a mapping of fields")
     values: dict[str, Any] = dict(doc)
     if "workers" in values:
-        values["workers"] = tuple(_worker(i, w) for i, w in enumerate(values["workers"] or []))
-    if "scoring" in values:
-        values["scoring"] = _scoring(values["scoring"] or {})
-    try:
-        return replace(base, **values)
-    except TypeError as exc:
-        raise ConfigError(f"config: {exc}") from None
+        values["workers"] = worker_entries(values["workers"])
+    if isinstance(values.get("scoring"), dict):
+        values["scoring"] = _merged_scoring(values["scoring"])
+    return build(Config, values, "", base)  # type: ignore[no-any-return]
 
 
-def _worker(i: int, raw: Any) -> WorkerConfig:
-    if isinstance(raw, str):
-        return WorkerConfig(url=raw)
-    if not isinstance(raw, dict) or "url" not in raw:
-        raise ConfigError(f"config field workers[{i}]: give a URL or a mapping with url:")
-    allowed = {f.name for f in fields(WorkerConfig)}
-    bad = set(raw) - allowed
-    if bad:
-        raise ConfigError(
-            f"config field workers[{i}]: unknown key(s) {', '.join(sorted(bad))}; "
-            f"known: {', '.join(sorted(allowed))}"
-        )
-    return WorkerConfig(**raw)
+def worker_entries(raw: Any, path: str = "workers") -> list[dict[str, Any]]:
+    """Worker entries as mappings: a bare string is a URL."""
+    if raw is None:
+        return []
+    if not isinstance(raw, (list, tuple)):
+        raise fail(path, "expected a list of URLs or {url: ...} mappings")
+    out = []
+    for i, entry in enumerate(raw):
+        if isinstance(entry, str):
+            entry = {"url": entry}
+        if isinstance(entry, WorkerConfig):
+            entry = {f.name: getattr(entry, f.name) for f in fields(WorkerConfig)}
+        if not isinstance(entry, dict) or "url" not in entry:
+            raise fail(f"{path}[{i}]", "give a URL or a mapping with url:")
+        out.append(entry)
+    return out
 
 
-def _scoring(raw: dict[str, Any]) -> ScoringConfig:
-    allowed = {f.name for f in fields(ScoringConfig)}
-    bad = set(raw) - allowed
-    if bad:
-        raise ConfigError(f"config field scoring: unknown key(s) {', '.join(sorted(bad))}")
+def parse_workers(raw: Any, path: str = "workers") -> tuple[WorkerConfig, ...]:
+    """Typed worker configs from a list of URLs or mappings."""
+    return tuple(convert(worker_entries(raw, path), tuple[WorkerConfig, ...], path))
+
+
+def _merged_scoring(raw: dict[str, Any]) -> dict[str, Any]:
     base = ScoringConfig()
-    if "weights" in raw:
-        raw = {**raw, "weights": {**base.weights, **raw["weights"]}}
-    if "tier_credit" in raw:
-        raw = {**raw, "tier_credit": {**base.tier_credit, **raw["tier_credit"]}}
-    return replace(base, **raw)
+    out = dict(raw)
+    if isinstance(raw.get("weights"), dict):
+        out["weights"] = {**base.weights, **raw["weights"]}
+    return out
 
 
 def from_env(base: Config, environ: dict[str, str] | None = None) -> Config:
@@ -197,33 +280,17 @@ def from_env(base: Config, environ: dict[str, str] | None = None) -> Config:
     values: dict[str, Any] = {}
     for f in fields(Config):
         raw = env.get(ENV_PREFIX + f.name.upper())
-        if raw is None or f.name == "scoring":
+        if raw is None or f.name in ("scoring", "tokenizers", "policy_params"):
             continue
-        values[f.name] = _parse_scalar(f.name, raw, getattr(base, f.name))
-    if "workers" in values:
-        values["workers"] = tuple(
-            WorkerConfig(u.strip()) for u in str(values["workers"]).split(",") if u.strip()
-        )
-    return replace(base, **values)
-
-
-def _parse_scalar(name: str, raw: str, current: Any) -> Any:
-    if name == "workers":
-        return raw
-    if isinstance(current, bool):
-        if raw.lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r}: use true or false")
-    if isinstance(current, int) or name in ("block_size", "seed"):
-        try:
-            return int(raw)
-        except ValueError:
-            raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r}: not an integer") from None
-    if isinstance(current, float):
-        try:
-            return float(raw)
-        except ValueError:
-            raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r}: not a number") from None
-    return raw
+        if f.name == "workers":
+            values["workers"] = [u.strip() for u in raw.split(",") if u.strip()]
+        else:
+            values[f.name] = raw
+    try:
+        return from_mapping(values, base)
+    except ConfigError as err:
+        name = (err.param or "").split(".")[0].split("[")[0]
+        raise ConfigError(
+            f"{ENV_PREFIX}{name.upper()}={env.get(ENV_PREFIX + name.upper())!r}: {err.message}",
+            param=err.param,
+        ) from None

@@ -1,5 +1,8 @@
 """kvroute's one error tree. Library exceptions become these in one place; each carries an
-OpenAI-style `type`, an HTTP status, and the ext_proc immediate-response status it maps to."""
+OpenAI-style `type` and an HTTP status (also the status of an ext_proc immediate response).
+
+`message` goes to the client; `detail` (worker addresses, upstream texts) only to the log:
+client error bodies never carry internal addresses."""
 
 from __future__ import annotations
 
@@ -11,10 +14,13 @@ class KvrouteError(Exception):
     type = "internal_error"
     code: str | None = None
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, param: str | None = None, detail: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.detail = detail
 
     def body(self) -> dict[str, Any]:
         """OpenAI's error body (vLLM uses the same shape)."""
@@ -45,6 +51,11 @@ class NotFound(KvrouteError):
 
 class MethodNotAllowed(KvrouteError):
     status = 405
+    type = "invalid_request_error"
+
+
+class RequestTimeout(KvrouteError):
+    status = 408
     type = "invalid_request_error"
 
 

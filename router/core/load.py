@@ -22,6 +22,7 @@ class Ticket:
     blocks: int
     first_token_seen: bool = False
     done: bool = False
+    expects_events: bool = False  # the engine should publish new blocks for this request
 
 
 @dataclass

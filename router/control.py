@@ -1,0 +1,234 @@
+"""The router's own endpoints (everything that is not forwarded to a worker):
+
+GET  /health          the detailed report: 503 only when routing is broken or silent, naming
+                      each broken worker, the reason and the fix (a client's 4xx never counts)
+GET  /ready           200 once an endpoint can take traffic
+GET  /live            200 while the process runs (never depends on the workers)
+GET  /metrics         Prometheus
+GET  /v1/models       the union of the workers' models
+GET|POST /admin/workers                 the worker list (POST replaces it)
+POST /admin/workers/NAME/drain|undrain  take a worker out of rotation (in-flight requests
+                                        finish) before a rolling update, and back
+GET|POST /debug/route                   how a prompt would be routed, from the live index
+
+/admin and /debug need the admin token (`Authorization: Bearer T`); without a token
+configured they answer 404 unless --admin-insecure is given.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import Any
+from urllib.parse import parse_qs
+
+import msgspec
+
+from router.asgi import Receive, Scope, Send, header, read_body, send_bytes, send_json
+from router.core.decision import Decision
+from router.core.errors import BadRequest, ConfigError, Forbidden, MethodNotAllowed, NotFound
+from router.metrics import RouterMetrics
+from router.openai_req import parse
+from router.routing import DecisionService
+from router.sources import WorkerSources
+from router.verdicts import worker_reports
+
+log = logging.getLogger("kvroute.proxy")
+
+PATHS = frozenset(
+    {"/health", "/ready", "/live", "/metrics", "/v1/models", "/admin/workers", "/debug/route"}
+)
+GET_ONLY = frozenset({"/health", "/ready", "/live", "/metrics", "/v1/models"})
+
+
+def is_control(path: str) -> bool:
+    return path in PATHS or path.startswith("/admin/")
+
+
+class Control:
+    def __init__(
+        self,
+        svc: DecisionService,
+        sources: WorkerSources,
+        metrics: RouterMetrics,
+    ) -> None:
+        self.svc = svc
+        self.sources = sources
+        self.pool = sources.pool
+        self.metrics = metrics
+        self.config = svc.config
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path, method = scope["path"], scope["method"]
+        if path in GET_ONLY and method != "GET":
+            raise MethodNotAllowed(f"{path} takes GET")
+        if path == "/metrics" and not self.config.metrics:
+            raise NotFound("/metrics is off (--no-metrics)")
+        if path.startswith("/admin/workers/"):
+            self._authorize(scope)
+            await self._drain(path, method, send)
+        elif path == "/health":
+            status, doc = self.health()
+            await send_json(send, status, doc)
+        elif path == "/ready":
+            await send_json(send, 200 if self.svc.ready else 503, {"ready": self.svc.ready})
+        elif path == "/live":
+            await send_json(send, 200, {"live": True})
+        elif path == "/metrics":
+            await send_bytes(send, 200, self.metrics.render(), b"text/plain; version=0.0.4")
+        elif path == "/v1/models":
+            await send_json(send, 200, self.svc.models_doc())
+        elif path == "/admin/workers":
+            self._authorize(scope)
+            if method == "POST":
+                await self._reload_workers(await read_body(receive, 1 << 20))
+            elif method != "GET":
+                raise MethodNotAllowed("/admin/workers takes GET or POST")
+            await send_json(send, 200, {"workers": self.worker_list()})
+        else:
+            self._authorize(scope)
+            body = await read_body(receive, self.config.max_body_bytes) if method == "POST" else b""
+            await send_json(send, 200, await self.debug_route(scope, body))
+
+    def _authorize(self, scope: Scope) -> None:
+        token = self.config.admin_token
+        if token is None:
+            if self.config.admin_insecure:
+                return
+            raise NotFound(
+                f"no route for {scope['method']} {scope['path']} (admin and debug endpoints "
+                "are off: start kvroute with --admin-token)"
+            )
+        given = header(scope, b"authorization") or b""
+        if not hmac.compare_digest(given, f"Bearer {token}".encode()):
+            raise Forbidden("admin endpoint: send 'Authorization: Bearer <admin_token>'")
+
+    async def _drain(self, path: str, method: str, send: Send) -> None:
+        """POST /admin/workers/NAME/drain | /undrain (NAME: host:port as listed)."""
+        name, _, action = path.removeprefix("/admin/workers/").rpartition("/")
+        if action not in ("drain", "undrain") or not name:
+            raise NotFound(f"no route for {method} {path}")
+        if method != "POST":
+            raise MethodNotAllowed(f"{path} takes POST")
+        h = self.pool.handles.get(name)
+        if h is None:
+            known = ", ".join(sorted(self.pool.handles)) or "none"
+            raise NotFound(f"unknown worker {name!r}; workers: {known}", param="worker")
+        h.set_draining(action == "drain")
+        inflight = sum(self.svc.fleet.load.view(s.name).requests for s in h.states)
+        log.warning("worker %s %sed by the admin API (%d in flight)", name, action, inflight)
+        await send_json(send, 200, {"worker": name, "draining": h.draining, "in_flight": inflight})
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        reports = [r for h in self.pool.handles.values() for r in worker_reports(self.pool, h)]
+        statuses = {r["status"] for r in reports}
+        if "unhealthy" in statuses or not any(r["available"] for r in reports):
+            status = "unhealthy"
+        elif statuses - {"ok"}:  # degraded or ejected workers: routing goes on without them
+            status = "degraded"
+        else:
+            status = "ok"
+        degraded_ok = status == "degraded" and self.config.health_degraded_ok
+        code = 200 if status == "ok" or degraded_ok else 503
+        if not self.config.health_details:  # no addresses, no problem texts
+            counts: dict[str, int] = {}
+            for r in reports:
+                counts[r["status"]] = counts.get(r["status"], 0) + 1
+            return code, {"status": status, "workers": counts}
+        doc = {
+            "status": status,
+            "unhealthy_workers": [r["name"] for r in reports if r["status"] != "ok"],
+            "workers": reports,
+        }
+        return code, doc
+
+    def worker_list(self) -> list[dict[str, Any]]:
+        out = []
+        for h in self.pool.handles.values():
+            for f in h.feeds:
+                s = f.state
+                out.append(
+                    {
+                        "name": s.name,
+                        "url": h.config.url,
+                        "available": s.available,
+                        "mode": s.mode,
+                        "block_size": s.block_size,
+                        "configured_block_size": h.config.block_size or self.config.block_size,
+                        "mode_setting": h.mode_setting,
+                        "draining": s.draining,
+                        "models": sorted(s.models or ()),
+                        "role": s.role,
+                        "data_parallel_rank": s.rank,
+                        "topic": f.source.topic if f.source else None,
+                        "events_endpoint": f.source.endpoint if f.source else None,
+                        "replay_endpoint": f.source.replay_endpoint if f.source else None,
+                    }
+                )
+        return out
+
+    async def _reload_workers(self, body: bytes) -> None:
+        try:
+            doc = msgspec.json.decode(body)
+        except (msgspec.DecodeError, RecursionError) as exc:
+            raise BadRequest(f"body is not JSON: {exc}") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("workers"), list):
+            raise BadRequest('send {"workers": [URL or {url, events?, replay?, ...}, ...]}')
+        try:
+            await self.sources.replace_listed(doc["workers"])
+        except ConfigError as err:
+            raise BadRequest(err.message, param=err.param) from None
+
+    async def debug_route(self, scope: Scope, body: bytes) -> dict[str, Any]:
+        """Score a prompt without sending it anywhere. `?tokens=1` adds the router's token ids
+        (`prompt_token_ids`), so router-check can compare them with the engine's /tokenize."""
+        qs = parse_qs(scope.get("query_string", b"").decode())
+        if body:
+            try:
+                doc = msgspec.json.decode(body)
+            except (msgspec.DecodeError, RecursionError) as exc:
+                raise BadRequest(f"request body is not valid JSON: {exc}") from None
+            kind = "chat" if isinstance(doc, dict) and "messages" in doc else "completion"
+        else:
+            prompt = (qs.get("prompt") or [""])[0]
+            model = (qs.get("model") or [""])[0]
+            body, kind = msgspec.json.encode({"prompt": prompt, "model": model}), "completion"
+        rin = parse(kind, body)
+        decision = await self.svc.decide(rin)
+        out = decision_doc(decision)
+        if (qs.get("tokens") or ["0"])[0] in ("1", "true", "yes"):
+            out["prompt_token_ids"] = list(decision.tokens)
+        return out
+
+
+def decision_doc(decision: Decision) -> dict[str, Any]:
+    """A decision as JSON: what `/debug/route` answers and `kvroute explain` prints."""
+    return {
+        "profile": decision.profile,
+        "policy": decision.policy,
+        "model": decision.request.model,
+        "prompt_tokens": decision.prompt_tokens,
+        "winner": decision.best.worker,
+        "weights": dict(decision.weights),
+        "workers": [
+            {
+                "worker": s.worker,
+                "total": round(s.total, 4),
+                "scores": {k: round(v, 4) for k, v in s.raw.items()},
+                "weighted": {k: round(v, 4) for k, v in s.weighted.items()},
+                "overlap_blocks": s.overlap_blocks,
+                "overlap_by_tier": s.overlap_by_tier,
+                "block_size": s.block_size,
+                "requests_in_flight": s.requests,
+                "prefill_tokens_in_flight": s.prefill_tokens,
+                "decode_blocks": s.decode_blocks,
+                "cached_blocks": s.cached_blocks,
+                "capacity_blocks": s.capacity_blocks,
+                "mode": s.mode,
+                "excluded": s.excluded,
+            }
+            for s in [*decision.ranked, *decision.excluded]
+        ],
+        "scorer_us": {k: round(v, 1) for k, v in decision.scorer_us.items()},
+        "explain": decision.explain(),
+    }

@@ -1,0 +1,88 @@
+"""What a routing decision says: the eligible endpoints in order, the ones filtered out and
+why, and every scorer's term, so that doors, logs, `/debug/route` and `kvroute explain` can
+show the formula with its terms filled in."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from indexer.hashing import Namespace, RouterBlockHash
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """Per-request limits a door adds: a gateway's subset hint (worker addresses), workers
+    already tried."""
+
+    subset: frozenset[str] | None = None
+    exclude: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """The facts filters and scorers see (the prompt itself is already hashed)."""
+
+    model: str  # as the client named it; "" when it named none
+    namespace: Namespace
+    prompt_tokens: int
+    constraints: Constraints = Constraints()
+    max_tokens: int = 16
+    n: int = 1
+
+
+@dataclass(frozen=True)
+class WorkerScore:
+    worker: str  # the endpoint's name
+    total: float
+    raw: dict[str, float]  # scorer -> 0..1
+    weighted: dict[str, float]  # scorer -> weight * raw
+    overlap_blocks: int
+    overlap_by_tier: dict[str, int]
+    block_size: int
+    requests: int
+    prefill_tokens: int
+    decode_blocks: float
+    cached_blocks: int
+    capacity_blocks: int | None
+    mode: str
+    excluded: str | None = None  # why it is not eligible (the filter's reason)
+
+
+@dataclass(frozen=True)
+class Decision:
+    profile: str
+    policy: str
+    request: RouteRequest
+    ranked: list[WorkerScore]  # eligible, best first: the next ones are the retry order
+    excluded: list[WorkerScore] = field(default_factory=list)  # not eligible, with the reason
+    hashes: dict[int, list[RouterBlockHash]] = field(default_factory=dict)  # per block size
+    scorer_us: dict[str, float] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
+    tokens: Sequence[int] = ()  # the prompt's token ids, as the router tokenized them
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.request.prompt_tokens
+
+    @property
+    def best(self) -> WorkerScore:
+        return self.ranked[0]
+
+    def score_of(self, worker: str) -> WorkerScore:
+        return next(s for s in [*self.ranked, *self.excluded] if s.worker == worker)
+
+    def explain(self) -> str:
+        """The formula with its terms filled in, one line per endpoint."""
+        return "\n".join(_line(s) for s in [*self.ranked, *self.excluded])
+
+
+def _line(s: WorkerScore) -> str:
+    terms = " + ".join(f"{k} {s.weighted[k]:.3f} ({s.raw[k]:.3f})" for k in s.raw)
+    note = f"  [{s.excluded}]" if s.excluded else ""
+    return (
+        f"{s.worker}: total {s.total:.3f} = {terms or 'n/a'}; overlap "
+        f"{s.overlap_blocks} blocks {s.overlap_by_tier}, load {s.requests} req / "
+        f"{s.prefill_tokens} prefill tok / {s.decode_blocks:.0f} decode blk, cache "
+        f"{s.cached_blocks}/{s.capacity_blocks or '?'} blk ({s.mode}){note}"
+    )

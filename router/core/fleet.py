@@ -1,0 +1,104 @@
+"""Fleet state: what every routing profile reads and the doors' commits update: the prefix
+index (exact, from KV events), the short-lived predictions, the approximate (TTL) index, the
+in-flight load, and per-endpoint facts (mode, block size, capacity, health, served models).
+
+An endpoint is one place a request can be sent: a worker, or one data-parallel rank of a
+worker (vLLM routes to a rank by the `X-data-parallel-rank` header). The index, load and
+predictions are kept per endpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from indexer.clock import Clock
+from indexer.health import HealthTracker
+from indexer.index import PrefixIndex
+from indexer.ttl import TtlIndex
+from router.core.load import LoadTracker
+
+EVENTS = "events"
+APPROX = "approx"
+
+
+@dataclass
+class WorkerState:
+    """What routing knows about one endpoint; the worker pool keeps it current."""
+
+    name: str  # unique: the worker's host:port, plus "#dpN" for a data-parallel rank
+    mode: str  # effective mode now: "events" or "approx"
+    block_size: int
+    capacity_blocks: int | None = None
+    available: bool = True  # false while ejected by health checks
+    draining: bool = False  # an operator took it out of rotation; in-flight requests finish
+    caching: bool = True  # the engine's prefix caching (vllm:cache_config_info)
+    health: HealthTracker | None = None
+    worker: str = ""  # the worker this endpoint belongs to (its name when there is no DP)
+    rank: int | None = None  # data-parallel rank to ask for; None: let the engine choose
+    address: str = ""  # host:port the worker listens on (gateways dial this)
+    models: frozenset[str] | None = None  # served names (base + adapters); None: not known yet
+    adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter -> its base model
+    role: str = "both"  # prefill | decode | both
+    max_model_len: int | None = None  # the base model's context length (its /v1/models card)
+
+    def __post_init__(self) -> None:
+        self.worker = self.worker or self.name
+        self.address = self.address or self.worker
+
+
+class FleetState:
+    """Shared by every profile and every door."""
+
+    def __init__(
+        self,
+        clock: Clock,
+        *,
+        prediction_ttl_s: float = 5.0,
+        approx_ttl_s: float = 120.0,
+        max_index_entries: int = 4_000_000,
+    ) -> None:
+        self.index = PrefixIndex(max_entries=max_index_entries)
+        self.predictions = TtlIndex(clock, prediction_ttl_s)
+        self.approx = TtlIndex(clock, approx_ttl_s)
+        self.load = LoadTracker()
+        self.workers: dict[str, WorkerState] = {}
+
+    def add(self, state: WorkerState, model: str = "") -> None:
+        self.workers[state.name] = state
+        self.index.add_worker(state.name, model=model)
+
+    def remove(self, name: str) -> None:
+        self.forget_cache(name)
+        self.workers.pop(name, None)
+        self.index.remove_worker(name)
+        self.load.forget(name)
+
+    def forget_cache(self, name: str) -> None:
+        """Drop everything believed about an endpoint's cache (exact, predicted, approximate)."""
+        self.index.clear_worker(name)
+        self.predictions.forget_worker(name)
+        self.approx.forget_worker(name)
+
+    def served_models(self) -> list[str]:
+        """Every model and adapter name some endpoint serves, sorted."""
+        names: set[str] = set()
+        for w in self.workers.values():
+            names |= w.models or frozenset()
+        return sorted(names)
+
+    def max_model_len(self, model: str) -> int | None:
+        """The shortest context length among the endpoints serving `model` (any, if "")."""
+        lens = [
+            w.max_model_len
+            for w in self.workers.values()
+            if w.max_model_len and (not model or (w.models is not None and model in w.models))
+        ]
+        return min(lens) if lens else None
+
+    def base_of(self, model: str) -> str | None:
+        """The base model of a LoRA adapter name, None for anything else."""
+        for w in self.workers.values():
+            base = w.adapters.get(model)
+            if base is not None:
+                return base
+        return None

@@ -1,0 +1,42 @@
+"""Log lines as text or as JSON (one object per line, for log pipelines)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            doc.update(fields)
+        if record.exc_info:
+            doc["exception"] = self.formatException(record.exc_info)
+        return json.dumps(doc, default=str)
+
+
+def configure(level: str, fmt: str = "text") -> None:
+    """Like logging.basicConfig: a process that already logs somewhere (an embedding
+    program, a test runner) keeps its handlers; only the level changes."""
+    root = logging.getLogger()
+    root.setLevel(getattr(logging, str(level).upper(), logging.INFO))
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        if fmt == "json":
+            handler.setFormatter(JsonFormatter())
+        else:
+            handler.setFormatter(
+                logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+            )
+        root.addHandler(handler)
+    # one line per upstream call at INFO drowns the router's own messages
+    logging.getLogger("httpx").setLevel(logging.WARNING)

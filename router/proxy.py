@@ -1,0 +1,219 @@
+"""The HTTP proxy door: parse the request, ask the decision service, forward to the pick,
+report the outcome back.
+
+Completions and chat are routed by their prompt; every other path the workers serve
+(`/v1/embeddings`, `/v1/responses`, `/tokenize`, `/v1/score`, `/v1/rerank`, ...) passes
+through, routed by the body's `model`, never answered 404 by the router.
+
+A request that reached no client byte yet is retried once on the next endpoint when its
+worker refused the connection, was given up on (ejected as dead or hung), or did not answer
+within the first-byte timeout; a worker that times out `eject_after_timeouts` times in a row
+is ejected until its health check passes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+from router.access import AccessLog
+from router.asgi import Receive, Scope, Send, check_length, header, read_body
+from router.core.config import Config
+from router.core.decision import Decision
+from router.core.errors import MethodNotAllowed, UpstreamError
+from router.forward import ConnectFailed, Forwarder, Outcome, WorkerTimedOut, upstream_headers
+from router.metrics import RouterMetrics
+from router.openai_req import RoutingInput, parse, parse_passthrough
+from router.routing import DecisionService, Ticket
+from router.tracing import DecisionTracer
+from router.upstream import Timeouts
+from router.workers import WorkerPool
+
+log = logging.getLogger("kvroute.proxy")
+
+RANK_HEADER = b"x-data-parallel-rank"  # vLLM routes a request to this data-parallel rank
+
+
+class ProxyDoor:
+    def __init__(
+        self,
+        svc: DecisionService,
+        pool: WorkerPool,
+        forwarder: Forwarder,
+        metrics: RouterMetrics,
+        config: Config,
+        access: AccessLog | None = None,
+        tracer: DecisionTracer | None = None,
+    ) -> None:
+        self.svc = svc
+        self.pool = pool
+        self.forwarder = forwarder
+        self.metrics = metrics
+        self.config = config
+        self.access = access
+        self.tracer = tracer
+        c = config
+        self.streaming = Timeouts(
+            c.first_byte_timeout_s, c.first_byte_timeout_s, c.inter_chunk_timeout_s
+        )
+        self.whole = Timeouts(c.request_timeout_s, c.inter_chunk_timeout_s, c.inter_chunk_timeout_s)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        t0 = time.perf_counter()
+        t0_ns = time.time_ns()
+        path, method = scope["path"], scope["method"]
+        kind = self.svc.route_path(path)
+        if kind is not None and method != "POST":
+            raise MethodNotAllowed(f"{path} takes POST")
+        check_length(scope, self.config.max_body_bytes)
+        body = await read_body(receive, self.config.max_body_bytes, self.config.body_timeout_s)
+        rin = parse(kind, body) if kind is not None else parse_passthrough(path, body)
+        decision = await self.svc.decide(rin)
+        if self.tracer is not None:
+            self.tracer.record(scope["headers"], decision, t0_ns)
+        request_id = header(scope, b"x-request-id") or uuid.uuid4().hex.encode()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "request %s -> %s (scorers %s us)\n%s",
+                request_id.decode(errors="replace"),
+                decision.best.worker,
+                {k: round(v, 1) for k, v in decision.scorer_us.items()},
+                decision.explain(),
+            )
+        headers = upstream_headers(
+            scope["headers"],
+            request_id,
+            self.forwarder.worker_header,
+            _forwarded(scope, self.config),
+        )
+        target = path.encode()
+        if scope.get("query_string"):
+            target += b"?" + scope["query_string"]
+        me = asyncio.current_task()
+        assert me is not None
+        watch = asyncio.ensure_future(_cancel_on_disconnect(receive, me))
+        request = _Request(decision, rin, method.encode(), target, headers, body, request_id, t0)
+        try:
+            await self._attempts(request, send)
+        except asyncio.CancelledError:
+            if not watch.done():
+                raise
+            me.uncancel()  # the client went away: closing upstream already aborted the request
+        finally:
+            watch.cancel()
+
+    async def _attempts(self, r: _Request, send: Send) -> None:
+        failures: list[str] = []
+        for choice in r.decision.ranked[:2]:  # one retry, on the next best endpoint
+            h = self.pool.handle_of(choice.worker)
+            if h is None:
+                continue
+            rank = self.svc.fleet.workers[choice.worker].rank
+            sent = r.headers if rank is None else [*r.headers, (RANK_HEADER, b"%d" % rank)]
+            ticket = self.svc.start(r.decision, choice.worker)
+            outcome: str | None = "error"
+            try:
+                result = await self.forwarder.forward(
+                    worker=choice.worker,
+                    host=h.host,
+                    port=h.port,
+                    tls=h.tls,
+                    method=r.method,
+                    path=r.target,
+                    headers=sent,
+                    body=r.body,
+                    send=send,
+                    request_id=r.request_id,
+                    on_first_byte=lambda t=ticket: self._first_byte(t, r),  # type: ignore[misc]
+                    timeouts=self.streaming if r.rin.stream else self.whole,
+                )
+                outcome = None
+                self._done(ticket, r, result)
+                return
+            except ConnectFailed as exc:
+                outcome = "timeout" if isinstance(exc, WorkerTimedOut) else "connect_failed"
+                failures.append(str(exc))
+                self._worker_failed(choice.worker, exc)
+            except asyncio.CancelledError:
+                outcome = "client_disconnected"
+                raise
+            finally:
+                if outcome is not None:
+                    self.svc.finish(ticket, status=0, outcome=outcome)
+        raise UpstreamError("no worker could take the request", detail="; ".join(failures))
+
+    def _first_byte(self, ticket: Ticket, r: _Request) -> None:
+        self.svc.first_token(ticket)
+        r.first_byte = time.perf_counter()
+
+    def _done(self, ticket: Ticket, r: _Request, result: Outcome) -> None:
+        self.svc.finish(ticket, status=result.status, cached_tokens=result.cached_tokens)
+        self.pool.note_answered(ticket.worker)
+        if result.broken is not None:
+            self.metrics.child(self.metrics.stream_errors, ticket.worker, result.broken).inc()
+        if self.access is not None:
+            self.access.write(r.rin.model, ticket, result, r.started, r.first_byte)
+
+    def _worker_failed(self, worker: str, exc: ConnectFailed) -> None:
+        self.metrics.child(self.metrics.retries, worker).inc()
+        if isinstance(exc, WorkerTimedOut):
+            self.pool.note_timeout(worker, exc.detail)
+        else:
+            self.pool.eject(worker, f"connect failed: {exc.detail}")
+
+
+class _Request:
+    """One client request on its way through the door."""
+
+    __slots__ = (
+        "body",
+        "decision",
+        "first_byte",
+        "headers",
+        "method",
+        "request_id",
+        "rin",
+        "started",
+        "target",
+    )
+
+    def __init__(
+        self,
+        decision: Decision,
+        rin: RoutingInput,
+        method: bytes,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        request_id: bytes,
+        started: float,
+    ) -> None:
+        self.decision = decision
+        self.rin = rin
+        self.method = method
+        self.target = target
+        self.headers = headers
+        self.body = body
+        self.request_id = request_id
+        self.started = started
+        self.first_byte: float | None = None
+
+
+def _forwarded(scope: Scope, config: Config) -> tuple[bytes, bytes, bytes] | None:
+    if not config.forwarded_headers:
+        return None
+    client = scope.get("client")
+    address = str(client[0]).encode() if client else b"unknown"
+    return address, str(scope.get("scheme", "http")).encode(), header(scope, b"host") or b""
+
+
+async def _cancel_on_disconnect(receive: Receive, task: asyncio.Task[Any]) -> None:
+    """Cancel the request's task when its client disconnects; closing the upstream connection
+    on the way out makes the engine abort the request."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            task.cancel()
+            return

@@ -1,0 +1,323 @@
+"""The decision service: the one routing decision every door calls (the HTTP proxy,
+`/debug/route` and `kvroute explain`, the Envoy ext_proc picker, the prefill->decode handoff).
+
+    decision = await svc.decide(rin, profile="default", constraints=Constraints(...))
+    ticket = svc.start(decision, decision.best.worker)   # load, predicted entries
+    svc.first_token(ticket)                             # prefill done: load moves to decode
+    svc.finish(ticket, status=200, cached_tokens=n)     # load released, fidelity observed
+
+`decide` tokenizes the prompt with the model's tokenizer (local, or a worker of the model's
+pool), namespaces it (model, LoRA adapter, cache_salt) and asks the pure picker
+(`router.core.picker`) with the named profile over the shared fleet state. Errors are the
+project's error tree: 404 for a model nobody serves (listing the served ones), 503 when no
+endpoint is eligible, 400 for a request that cannot be tokenized.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import msgspec
+
+from indexer.clock import Clock
+from indexer.hashing import Namespace
+from router.core.config import Config
+from router.core.decision import Constraints, Decision, RouteRequest
+from router.core.errors import BadRequest, NoWorkerAvailable
+from router.core.filters import serves, unknown_model
+from router.core.fleet import FleetState
+from router.core.load import Ticket as LoadTicket
+from router.core.picker import Picker
+from router.core.profiles import Profile
+from router.metrics import RouterMetrics
+from router.openai_req import PROMPT_PATHS, RoutingInput
+from router.tokenize import TokenCache
+from router.tokenizers import TokenizerSet
+from router.workers import WorkerPool
+
+log = logging.getLogger("kvroute.routing")
+
+__all__ = ["Constraints", "DecisionService", "Ticket"]
+
+NO_CONSTRAINTS = Constraints()
+
+
+@dataclass
+class Ticket:
+    """One request in flight on one endpoint, from `start` to `finish`."""
+
+    decision: Decision
+    worker: str
+    load: LoadTicket
+    started: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    done: bool = False
+
+
+def _too_long(limit: int, tokens: int, qualifier: str) -> BadRequest:
+    return BadRequest(
+        f"This model's maximum context length is {limit} tokens. However, your prompt has "
+        f"{qualifier}{tokens} tokens. Please reduce the length of the prompt.",
+        param="prompt",
+    )
+
+
+class DecisionService:
+    def __init__(
+        self,
+        config: Config,
+        fleet: FleetState,
+        pool: WorkerPool,
+        tokenizers: TokenizerSet,
+        metrics: RouterMetrics,
+        profiles: dict[str, Profile],
+        clock: Clock,
+    ) -> None:
+        self.config = config
+        self.fleet = fleet
+        self.pool = pool
+        self.tokenizers = tokenizers
+        self.metrics = metrics
+        self.profiles = profiles
+        self.picker = Picker(fleet, timer=time.perf_counter)
+        self.clock = clock
+        self.started = False
+        self.draining = False  # SIGTERM: stop taking new traffic
+        self._remote_cache = TokenCache()
+
+    # ---- the decision ----------------------------------------------------------------
+
+    @staticmethod
+    def route_path(path: str) -> str | None:
+        """ "completion" | "chat" for the POST paths whose body is a prompt to route by."""
+        return PROMPT_PATHS.get(path)
+
+    async def decide(
+        self,
+        rin: RoutingInput,
+        *,
+        profile: str = "default",
+        constraints: Constraints | None = None,
+    ) -> Decision:
+        t0 = time.perf_counter()
+        self._check_model(rin.model)
+        base = self.fleet.base_of(rin.model)
+        limit = self.fleet.max_model_len(rin.model)
+        if limit is not None:
+            self._precheck_length(rin, base, limit)
+        tokens = await self.tokens(rin, base)
+        if limit is not None and len(tokens) > limit:
+            raise _too_long(limit, len(tokens), "")
+        req = RouteRequest(
+            model=rin.model,
+            namespace=self.namespace(rin, base),
+            prompt_tokens=len(tokens),
+            constraints=constraints or NO_CONSTRAINTS,
+            max_tokens=rin.max_tokens,
+            n=rin.n,
+        )
+        decision = self.picker.pick(self.profiles[profile], req, tokens)
+        if not decision.ranked:
+            raise NoWorkerAvailable("no worker is eligible for this request")
+        self.metrics.decision_seconds.observe(time.perf_counter() - t0)
+        return decision
+
+    def _check_model(self, model: str) -> None:
+        """A model nobody serves is a 404 before any tokenizer is asked about it."""
+        if model and not any(serves(w, model) for w in self.fleet.workers.values()):
+            raise unknown_model(model, self.fleet)
+
+    def _precheck_length(self, rin: RoutingInput, base: str | None, limit: int) -> None:
+        """Refuse a prompt certainly over the model's context length before tokenizing it
+        (a 20 MB prompt must not cost seconds of CPU and hundreds of MB)."""
+        if rin.prompt_ids is not None:
+            if len(rin.prompt_ids) > limit:
+                raise _too_long(limit, len(rin.prompt_ids), "")
+            return
+        tok = self.tokenizers.local(rin.model, base)
+        if tok is None:
+            return
+        texts = [rin.prompt_text or ""]
+        if rin.messages is not None:
+            texts = [
+                str(m.get("content")) for m in rin.messages if isinstance(m.get("content"), str)
+            ]
+        floor = self.tokenizers.min_tokens(tok, texts)
+        if floor > limit:
+            raise _too_long(limit, floor, "at least ")
+
+    def namespace(self, rin: RoutingInput, base: str | None) -> Namespace:
+        lora = rin.model if base is not None else None
+        return Namespace(self.config.model, lora, rin.cache_salt)
+
+    async def tokens(self, rin: RoutingInput, base: str | None) -> Sequence[int]:
+        if rin.prompt_ids is not None:
+            return rin.prompt_ids
+        if rin.kind == "none":
+            return ()
+        tok = self.tokenizers.local(rin.model, base)
+        if tok is None:
+            return await self._remote_tokens(rin)
+        try:
+            if rin.kind == "chat":
+                assert rin.messages is not None
+                return tok.chat(
+                    rin.messages,
+                    add_generation_prompt=rin.add_generation_prompt,
+                    extra=rin.template_extra,
+                )
+            return tok.completion(rin.prompt_text or "")
+        except (TypeError, ValueError) as exc:  # a chat template choking on odd messages
+            raise BadRequest(f"the request cannot be tokenized: {exc}", param="messages") from None
+
+    async def _remote_tokens(self, rin: RoutingInput) -> Sequence[int]:
+        """A worker of the model's pool tokenizes (its own /tokenize), cached by content."""
+        if rin.kind == "chat":
+            body: dict[str, Any] = {
+                "model": rin.model,
+                "messages": rin.messages,
+                "add_generation_prompt": rin.add_generation_prompt,
+            }
+            if rin.template_extra:
+                body["chat_template_kwargs"] = rin.template_extra
+        else:
+            body = {"model": rin.model, "prompt": rin.prompt_text}
+        key = msgspec.json.encode(body)
+        cached = self._remote_cache.get(key)
+        if cached is not None:
+            return cached
+        asked = []
+        for h in self.pool.handles.values():
+            if not h.available or not any(serves(s, rin.model) for s in h.states):
+                continue
+            asked.append(h.name)
+            try:
+                resp = await self.pool.client.post(
+                    f"{h.url}/tokenize",
+                    content=key,
+                    headers={"content-type": "application/json", **h.auth},
+                )
+            except httpx.HTTPError:
+                continue
+            if resp.status_code == 400:
+                raise BadRequest(f"the worker could not tokenize the request: {resp.text[:300]}")
+            if resp.status_code == 200:
+                return self._remote_cache.put(key, list(resp.json().get("tokens", [])))
+        raise NoWorkerAvailable(
+            f"no worker serving {rin.model or 'the model'!r} answered /tokenize",
+            detail=f"asked {', '.join(asked) or 'none'}; give kvroute the model's tokenizer "
+            "folder (--tokenizer) to tokenize locally",
+        )
+
+    # ---- the request's life ----------------------------------------------------------
+
+    def start(self, decision: Decision, worker: str, profile: str | None = None) -> Ticket:
+        """The door sends the request to `worker` (one of `decision.ranked`)."""
+        state = self.fleet.workers[worker]
+        extra = math.ceil(decision.request.max_tokens * decision.request.n / state.block_size)
+        prof = self.profiles[profile or decision.profile]
+        load = self.picker.commit(prof, decision, worker, extra_blocks=extra)
+        self.metrics.child(self.metrics.inflight, worker).inc()
+        return Ticket(decision, worker, load)
+
+    def reassign(self, ticket: Ticket, worker: str) -> Ticket:
+        """The request was served by another endpoint than the one started (a gateway's
+        fallback): move its load and prediction there."""
+        if worker == ticket.worker or worker not in self.fleet.workers:
+            return ticket
+        self._release(ticket)
+        return self.start(ticket.decision, worker)
+
+    def first_token(self, ticket: Ticket) -> None:
+        if ticket.first_token_at is None:
+            ticket.first_token_at = time.perf_counter()
+        self.fleet.load.first_token(ticket.load)
+
+    def finish(
+        self,
+        ticket: Ticket,
+        *,
+        status: int,
+        cached_tokens: int | None = None,
+        outcome: str | None = None,
+    ) -> None:
+        """The request ended. `outcome` names failures that never produced a response
+        (connect_failed, client_disconnected); otherwise the status decides."""
+        if ticket.done:
+            return
+        self._release(ticket)
+        model = self.model_label(ticket.decision.request.model)
+        label = outcome or ("ok" if status < 400 else "http_error")
+        self.metrics.count(model, ticket.worker, status, label)
+        if outcome is not None:
+            return
+        if 400 <= status < 500:
+            # the engine refused the request (too long, bad parameters): it stored nothing,
+            # and its silence must not count against its KV events
+            self.picker.withdraw(ticket.load)
+            return
+        self._observe(ticket, cached_tokens, model)
+
+    def _release(self, ticket: Ticket) -> None:
+        ticket.done = True
+        self.fleet.load.finish(ticket.load)
+        self.metrics.child(self.metrics.inflight, ticket.worker).dec()
+
+    def model_label(self, model: str) -> str:
+        """Metric labels only take names the fleet serves: clients choose the model field."""
+        if not model:
+            return "none"
+        served = any(w.models and model in w.models for w in self.fleet.workers.values())
+        return model if served else "other"
+
+    def _observe(self, ticket: Ticket, cached_tokens: int | None, model: str) -> None:
+        """Timings, and predicted vs the engine's reported cached tokens (fidelity)."""
+        d, worker = ticket.decision, ticket.worker
+        m = self.metrics
+        if ticket.first_token_at is not None:
+            m.child(m.ttft, model, worker).observe(ticket.first_token_at - ticket.started)
+        m.child(m.duration, model, worker).observe(time.perf_counter() - ticket.started)
+        s = d.score_of(worker)
+        bs = s.block_size
+        # an engine never serves a prompt's last token from cache
+        predicted = min(s.overlap_blocks, max(d.prompt_tokens - 1, 0) // bs)
+        if d.prompt_tokens:
+            m.predicted_overlap.observe(predicted * bs / d.prompt_tokens)
+        m.child(m.predicted_tokens, worker).inc(predicted * bs)
+        if cached_tokens is None:
+            return
+        m.child(m.reported_tokens, worker).inc(cached_tokens)
+        reported = cached_tokens // bs
+        result = "exact" if reported == predicted else "over" if predicted > reported else "under"
+        m.child(m.fidelity, worker, result).inc()
+
+    # ---- what doors need to know -----------------------------------------------------
+
+    def models_doc(self) -> dict[str, Any]:
+        return self.pool.models_doc()
+
+    def address_of(self, worker: str) -> str:
+        return self.fleet.workers[worker].address
+
+    def worker_at(self, address: str) -> str | None:
+        return next((w.name for w in self.fleet.workers.values() if w.address == address), None)
+
+    @property
+    def ready(self) -> bool:
+        """Can route: started, not draining, and some endpoint passes health checks."""
+        return (
+            self.started
+            and not self.draining
+            and any(w.available for w in self.fleet.workers.values())
+        )
+
+    @property
+    def live(self) -> bool:
+        """The process is alive (never depends on workers)."""
+        return True

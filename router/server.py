@@ -1,0 +1,142 @@
+"""Serving the router: uvicorn with the choices a proxy in front of LLM workers needs.
+
+- A client's request head must arrive within `header_timeout_s` (uvicorn has no such limit:
+  a slowloris client could hold a connection forever); bodies are bounded by the app.
+- The worker's `date` and `server` headers pass through; uvicorn adds none of its own, so a
+  response carries one of each.
+- SIGTERM drains in two steps. First, for `drain_delay_s`, the router keeps serving but
+  answers /ready 503 (the Service stops sending it traffic) and closes every connection after
+  its response (`Connection: close`), so no idle keep-alive connection is left for a client
+  to race a request into. Then the listener closes, in-flight requests and streams get up to
+  `drain_timeout_s` to finish, and the process exits 0. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+log = logging.getLogger("kvroute.serve")
+
+
+def protocol_with_header_timeout(timeout_s: float) -> type[asyncio.Protocol]:
+    class HeaderTimeoutProtocol(HttpToolsProtocol):
+        _head_timer: asyncio.TimerHandle | None = None
+        _last_request = False  # the server is shutting down: serve this one, then close
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._disarm()
+            super().on_headers_complete()
+            if self._last_request and self.cycle is not None:
+                self.cycle.keep_alive = False
+
+        def shutdown(self) -> None:
+            # A connection whose request has not been read yet may have one in flight (it
+            # connected just before the listener closed): serve it, then close. If nothing
+            # comes, the head timer closes it.
+            if self.cycle is None and not self.transport.is_closing():
+                self._last_request = True
+                if self._head_timer is None:
+                    self._arm()
+                return
+            super().shutdown()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._head_timer = self.loop.call_later(timeout_s, self._too_slow)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _too_slow(self) -> None:
+            # a new connection, or a request head begun on a kept-alive one, without a
+            # complete head in time (between requests, uvicorn's keep-alive timer rules)
+            self._head_timer = None
+            if not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderTimeoutProtocol
+
+
+def server_config(
+    app: Any,
+    host: str,
+    port: int,
+    *,
+    header_timeout_s: float = 10.0,
+    drain_timeout_s: float = 30.0,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    loop: str = "uvloop",
+) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        loop=loop,
+        http=protocol_with_header_timeout(header_timeout_s),
+        lifespan="on",
+        access_log=False,
+        log_level="warning",
+        server_header=False,
+        date_header=False,
+        proxy_headers=False,  # X-Forwarded-* are ours to append, never trusted from clients
+        timeout_graceful_shutdown=max(1, round(drain_timeout_s)),
+        ssl_certfile=tls_cert,
+        ssl_keyfile=tls_key,
+    )
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(
+        self, config: uvicorn.Config, on_drain: Callable[[], None], delay_s: float
+    ) -> None:
+        super().__init__(config)
+        self.on_drain = on_drain
+        self.delay_s = delay_s
+        self.draining = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig != signal.SIGTERM or self.draining:
+            super().handle_exit(sig, frame)
+            return
+        self.draining = True
+        log.warning("SIGTERM: draining (not ready, closing connections) for %.1f s", self.delay_s)
+        self.on_drain()
+        # idle keep-alive connections close now, while the listener still accepts the new
+        # connection a client opens instead (at listener close it would have nowhere to go)
+        for conn in list(self.server_state.connections):
+            cycle = getattr(conn, "cycle", None)
+            if cycle is not None and cycle.response_complete:
+                conn.transport.close()
+        loop = asyncio.get_event_loop()
+        loop.call_soon_threadsafe(loop.call_later, self.delay_s, self._stop)
+
+    def _stop(self) -> None:
+        log.warning("draining: listener closed, waiting for in-flight requests")
+        self.should_exit = True
+
+
+def serve(config: uvicorn.Config, on_drain: Callable[[], None], drain_delay_s: float) -> None:
+    DrainingServer(config, on_drain, drain_delay_s).run()

@@ -1,0 +1,133 @@
+"""Where the worker list comes from, merged and validated in one place before the pool sees
+it: the config's `workers` (replaced by `POST /admin/workers`), `workers_file` (a YAML list,
+re-read when it changes) and `workers_dns` (a headless Service's A records, re-resolved).
+Every entry from every source is typed and checked like the config itself; a bad file or
+admin body is refused with the field named and the current list kept."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from typing import Any
+
+import yaml
+
+from router.core.config import Config, WorkerConfig, parse_workers, validate_workers
+from router.core.errors import ConfigError
+from router.workers import WorkerPool
+
+log = logging.getLogger("kvroute.workers")
+
+FILE_POLL_S = 2.0
+
+
+class WorkerSources:
+    def __init__(self, config: Config, pool: WorkerPool) -> None:
+        self.config = config
+        self.pool = pool
+        self.listed: tuple[WorkerConfig, ...] = config.workers  # config, or the admin API
+        self.from_file: tuple[WorkerConfig, ...] = ()
+        self.from_dns: tuple[WorkerConfig, ...] = ()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._file_mtime = 0.0
+
+    def merged(self) -> tuple[WorkerConfig, ...]:
+        """Every source's workers, each worker once (the first source naming it wins)."""
+        out: dict[str, WorkerConfig] = {}
+        for w in (*self.listed, *self.from_file, *self.from_dns):
+            out.setdefault(w.name, w)
+        return tuple(out.values())
+
+    async def start(self) -> None:
+        if self.config.workers_file:
+            self._read_file()
+        if self.config.workers_dns:
+            await self._resolve()
+        await self.pool.start(self.merged())
+        if self.config.workers_file:
+            self._tasks.append(asyncio.create_task(self._watch_file()))
+        if self.config.workers_dns:
+            self._tasks.append(asyncio.create_task(self._watch_dns()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        await self.pool.stop()
+
+    async def replace_listed(self, raw: Any) -> tuple[WorkerConfig, ...]:
+        """The admin API's new list (URLs or mappings), checked like the config's."""
+        workers = parse_workers(raw, "workers")
+        validate_workers(workers, self.config.mode)
+        self.listed = workers
+        await self._apply("the admin API")
+        return workers
+
+    async def _apply(self, origin: str) -> None:
+        merged = self.merged()
+        validate_workers(merged, self.config.mode)
+        await self.pool.set_workers(merged)
+        log.warning("worker list from %s: %s", origin, ", ".join(w.name for w in merged) or "none")
+
+    # ---- file ------------------------------------------------------------------------
+
+    def _read_file(self) -> bool:
+        """Re-read the workers file if it changed; True when the list changed."""
+        path = self.config.workers_file
+        assert path is not None
+        try:
+            mtime = os.stat(path).st_mtime
+            if mtime == self._file_mtime:
+                return False
+            self._file_mtime = mtime
+            with open(path) as f:
+                raw = yaml.safe_load(f) or []
+            entries = raw.get("workers", raw) if isinstance(raw, dict) else raw
+            workers = parse_workers(entries, f"workers_file {path}: workers")
+            validate_workers(workers, self.config.mode)
+        except (OSError, yaml.YAMLError) as exc:
+            log.error("workers file %s: %s (keeping the current list)", path, exc)
+            return False
+        except ConfigError as err:
+            log.error("workers file %s: %s (keeping the current list)", path, err.message)
+            return False
+        changed = workers != self.from_file
+        self.from_file = workers
+        return changed
+
+    async def _watch_file(self) -> None:
+        while True:
+            await asyncio.sleep(FILE_POLL_S)
+            if self._read_file():
+                await self._apply(f"workers file {self.config.workers_file}")
+
+    # ---- DNS -------------------------------------------------------------------------
+
+    async def _resolve(self) -> bool:
+        """One worker per A record of the headless Service; True when the set changed."""
+        assert self.config.workers_dns is not None
+        host, _, port = self.config.workers_dns.rpartition(":")
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                host, int(port), type=socket.SOCK_STREAM
+            )
+        except OSError as exc:
+            log.error("workers_dns %s: %s (keeping the current workers)", host, exc)
+            return False
+        ips = sorted({str(info[4][0]) for info in infos})
+        urls = [f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}" for ip in ips]
+        found = parse_workers(urls, "workers_dns")
+        changed = found != self.from_dns
+        self.from_dns = found
+        return changed
+
+    async def _watch_dns(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.dns_interval_s)
+            if await self._resolve():
+                await self._apply(f"workers_dns {self.config.workers_dns}")

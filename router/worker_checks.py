@@ -1,0 +1,229 @@
+"""Periodic probes of the workers: health checks (ejection and re-admission), load scraping,
+served models, cache config, tokenizer parity and routing modes. Owned by the worker pool,
+whose loops call them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from engines.base import EngineMetrics
+from indexer.health import EventHealth
+from router.core.fleet import APPROX, EVENTS
+from router.verdicts import log_problems, worker_reports
+
+if TYPE_CHECKING:
+    from router.workers import Feed, WorkerHandle, WorkerPool
+
+log = logging.getLogger("kvroute.workers")
+
+CONTROL_TIMEOUT_S = 10.0  # every control-plane call is bounded: a hung worker stalls nothing
+PROBE_TEXT = "kvroute tokenizer probe: The quick brown fox jumps over 13 lazy dogs."
+PROBE_CHAT = [{"role": "user", "content": PROBE_TEXT}]
+
+
+def _restarted(before: EngineMetrics | None, now: EngineMetrics) -> bool:
+    """A counter that only grows went down: a new engine process."""
+    if before is None or before.prefix_queries is None or now.prefix_queries is None:
+        return False
+    return now.prefix_queries < before.prefix_queries
+
+
+class WorkerChecks:
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+        self._last_error_log: dict[str, float] = {}
+        self.health_rounds = 0  # completed health-check rounds (tests wait on it)
+
+    # ---- health ----------------------------------------------------------------------
+
+    async def health(self) -> None:
+        await asyncio.gather(*(self._check_one(h) for h in list(self.pool.handles.values())))
+        self.health_rounds += 1
+
+    async def _check_one(self, h: WorkerHandle) -> None:
+        from router.workers import EJECT_AFTER_FAILURES
+
+        try:
+            resp = await self.pool.client.get(
+                f"{h.url}/health", headers=h.auth, timeout=self.pool.config.health_timeout_s
+            )
+            ok = resp.status_code == 200
+            why = "" if ok else f"/health answered {resp.status_code}"
+        except httpx.HTTPError as exc:
+            ok, why = False, f"/health failed: {type(exc).__name__}: {exc}"
+        if not ok:
+            h.failures += 1
+            h.last_error = why
+            if h.failures >= EJECT_AFTER_FAILURES:
+                self.pool.set_down(h, why)
+            return
+        was_down = h.failures >= EJECT_AFTER_FAILURES or not h.available
+        h.failures = h.timeouts = 0
+        if not h.discovered:
+            await self.pool.discover(h)
+        elif was_down:
+            # it may be a new engine process with other flags: ask it again
+            await self.pool.rediscover(h, "it came back after failing health checks")
+        else:
+            await self.refresh_models(h, timeout=self.pool.config.health_timeout_s)
+        if not h.available:
+            log.warning("worker %s is healthy again: re-admitted", h.name)
+        h.set_available(True)
+
+    # ---- load ------------------------------------------------------------------------
+
+    async def fetch_metrics(self, h: WorkerHandle) -> EngineMetrics | None:
+        try:
+            resp = await self.pool.client.get(f"{h.url}/metrics", headers=h.auth)
+        except httpx.HTTPError:
+            return None
+        if resp.status_code != 200:
+            return None
+        try:
+            return h.adapter.parse_metrics(resp.text)
+        except ValueError:
+            return None
+
+    async def scrape(self) -> None:
+        await asyncio.gather(*(self._scrape_one(h) for h in list(self.pool.handles.values())))
+
+    async def _scrape_one(self, h: WorkerHandle) -> None:
+        m = await self.fetch_metrics(h)
+        if m is None:
+            return
+        if _restarted(h.metrics, m):
+            h.metrics = m
+            await self.pool.rediscover(h, "its /metrics counters went back (engine restart)")
+        h.metrics = m
+        load = self.pool.fleet.load
+        for f in h.feeds:
+            rank = m.by_rank.get(f.state.rank) if f.state.rank is not None else None
+            if rank is not None:
+                load.scraped(
+                    f.state.name, rank.running, rank.waiting, rank.kv_usage, m.num_gpu_blocks
+                )
+            elif f.state.rank is None:
+                load.scraped(f.state.name, m.running, m.waiting, m.kv_usage, m.num_gpu_blocks)
+
+    # ---- what the worker serves ------------------------------------------------------
+
+    async def refresh_models(self, h: WorkerHandle, timeout: float | None = None) -> None:
+        """Served names (base model and LoRA adapters) define the worker's model pools."""
+        try:
+            resp = await self.pool.client.get(
+                f"{h.url}/v1/models",
+                headers=h.auth,
+                timeout=timeout if timeout is not None else CONTROL_TIMEOUT_S,
+            )
+            data = resp.json().get("data", []) if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            h.last_error = f"GET /v1/models: {exc}"
+            return
+        if data is None:
+            return
+        cards = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]
+        names = frozenset(str(m["id"]) for m in cards)
+        adapters = {
+            str(m["id"]): str(m["parent"])
+            for m in cards
+            if m.get("parent") and m.get("parent") != m.get("id")
+        }
+        if h.feeds[0].state.models is not None and names != h.feeds[0].state.models:
+            log.warning("worker %s now serves %s", h.name, ", ".join(sorted(names)))
+        h.models = cards
+        lens = [int(m["max_model_len"]) for m in cards if isinstance(m.get("max_model_len"), int)]
+        for state in h.states:
+            state.models = names
+            state.adapters = adapters
+            state.max_model_len = min(lens) if lens else None
+
+    def apply_cache_config(self, h: WorkerHandle) -> None:
+        m = h.metrics
+        if m is None:
+            return
+        configured = h.config.block_size or self.pool.config.block_size
+        margin = self.pool.config.index_cap_margin
+        for state in h.states:
+            if m.num_gpu_blocks:
+                state.capacity_blocks = m.num_gpu_blocks
+                cap = int(m.num_gpu_blocks * margin)
+                self.pool.fleet.index.set_worker_cap(state.name, cap)
+            if m.block_size and not configured:
+                state.block_size = m.block_size
+            state.caching = m.prefix_caching is not False
+        hints = h.adapter.hints
+        if m.block_size and configured and m.block_size != configured:
+            h.problems["block_size"] = (
+                f"worker {h.name}: block size mismatch: configured block_size={configured} "
+                f"but the engine reports block_size={m.block_size}; "
+                + hints.block_size_mismatch.format(configured=configured, reported=m.block_size)
+            )
+        if m.prefix_caching is False:
+            h.problems["prefix_caching"] = (
+                f"worker {h.name} runs with prefix caching off: nothing can be reused, KV-aware "
+                f"routing is pointless; {hints.prefix_caching_off}"
+            )
+
+    async def check_tokenizers(self, h: WorkerHandle) -> None:
+        """For each base model the worker serves: tokenize a probe here and on the worker;
+        a difference breaks every prefix match."""
+        h.problems.pop("tokenizer", None)
+        bases = [str(m["id"]) for m in h.models if not m.get("parent") or m["parent"] == m["id"]]
+        for model in bases or [""]:
+            tok = self.pool.tokenizers.local(model)
+            if tok is None:
+                continue
+            problem = await self._probe_tokenizer(h, model, tok)
+            if problem:
+                h.problems["tokenizer"] = problem
+                return
+
+    async def _probe_tokenizer(self, h: WorkerHandle, model: str, tok: Any) -> str | None:
+        mine = {"completion": tok.completion(PROBE_TEXT), "chat": tok.chat(PROBE_CHAT)}
+        bodies = {
+            "completion": {"model": model, "prompt": PROBE_TEXT},
+            "chat": {"model": model, "messages": PROBE_CHAT, "add_generation_prompt": True},
+        }
+        for kind, body in bodies.items():
+            try:
+                resp = await self.pool.client.post(f"{h.url}/tokenize", json=body, headers=h.auth)
+                theirs = resp.json().get("tokens") if resp.status_code == 200 else None
+            except (httpx.HTTPError, ValueError, AttributeError):
+                theirs = None
+            if theirs is None or theirs == list(mine[kind]):
+                continue  # an engine without /tokenize: router-check warns
+            return (
+                f"worker {h.name}: tokenizer mismatch for model {model or '?'} on a {kind} "
+                f"probe: the router makes {len(mine[kind])} tokens {list(mine[kind][:6])}..., "
+                f"the worker {len(theirs)} tokens {theirs[:6]}...; "
+                + h.adapter.hints.tokenizer_mismatch
+            )
+        return None
+
+    # ---- modes -----------------------------------------------------------------------
+
+    async def refresh_modes(self) -> None:
+        """Every second: modes follow event health, and broken workers are logged (at most
+        once a minute each) whether or not anyone polls /health."""
+        reports = []
+        for h in self.pool.handles.values():
+            for f in h.feeds:
+                self.refresh_mode(h, f)
+            reports += worker_reports(self.pool, h)
+        log_problems(reports, self.pool.clock.now(), self._last_error_log)
+
+    @staticmethod
+    def refresh_mode(h: WorkerHandle, f: Feed) -> None:
+        """auto: events while they flow, approximate otherwise (and /health says so)."""
+        if h.mode_setting in (APPROX, EVENTS):
+            f.state.mode = h.mode_setting
+            return
+        report = f.state.health.report() if f.state.health else None
+        flowing = f.task is not None and (
+            report is None or report.state not in (EventHealth.NO_EVENTS, EventHealth.STALE)
+        )
+        f.state.mode = EVENTS if flowing else APPROX

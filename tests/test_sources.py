@@ -1,0 +1,115 @@
+"""Worker lists from every source (flags, file, DNS, admin API) go through one validated
+path: a bad entry is refused with the field named and the current list kept."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from pathlib import Path
+
+import httpx
+import pytest
+
+from engines.sim.config import SimConfig
+from engines.sim.fleet import run_fleet
+from router.app import RouterApp
+from router.core.config import Config
+from router.procs import serve_in_process
+from router.serve_cli import load_config, split_tokenizer_flags
+from router.tokenize import PACKAGED_TOKENIZER
+
+pytestmark = pytest.mark.timeout(120)
+
+SIM = SimConfig(block_size=16, kv_blocks=256, topic="kv-events")
+
+
+def flags(**kw: object) -> argparse.Namespace:
+    names = [
+        "config",
+        "worker",
+        "host",
+        "port",
+        "tokenizer",
+        "mode",
+        "policy",
+        "block_size",
+        "metrics",
+        "admin_token",
+        "health_degraded_ok",
+        "worker_header",
+        "seed",
+        "workers_file",
+        "workers_dns",
+        "worker_api_key",
+    ]
+    return argparse.Namespace(**{n: kw.get(n) for n in names})
+
+
+async def names_of(app: RouterApp, want: int) -> list[str]:
+    for _ in range(300):
+        if len(app.pool.handles) == want:
+            break
+        await asyncio.sleep(0.02)
+    return sorted(app.pool.handles)
+
+
+async def test_workers_dns_on_the_command_line_finds_the_workers() -> None:
+    async with run_fleet(1, SIM) as fleet:
+        port = fleet.workers[0].port
+        given = flags(workers_dns=f"127.0.0.1:{port}", tokenizer=[str(PACKAGED_TOKENIZER)])
+        config = load_config(given, {})
+        assert config.workers_dns == f"127.0.0.1:{port}" and not config.workers
+        app = RouterApp(config)
+        async with serve_in_process(app) as url, httpx.AsyncClient(base_url=url) as client:
+            assert await names_of(app, 1) == [f"127.0.0.1:{port}"]
+            resp = await client.post(
+                "/v1/completions", json={"model": "kvroute-sim", "prompt": "hi", "max_tokens": 1}
+            )
+            assert resp.status_code == 200
+
+
+async def test_a_bad_workers_file_keeps_the_current_list(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with run_fleet(2, SIM) as fleet:
+        a, b = fleet.urls
+        path = tmp_path / "workers.yaml"
+        path.write_text(f"workers:\n  - {a}\n")
+        app = RouterApp(
+            Config(workers_file=str(path), tokenizer=str(PACKAGED_TOKENIZER)).validate()
+        )
+        caplog.set_level(logging.ERROR, logger="kvroute.workers")
+        async with serve_in_process(app):
+            assert await names_of(app, 1) == [a.split("//")[1]]
+            path.write_text(f"workers:\n  - {a}\n  - url: {b}\n    block_size: many\n")
+            await asyncio.sleep(2.5)  # the watcher re-reads every 2 s
+            assert sorted(app.pool.handles) == [a.split("//")[1]]
+            assert any("workers[1].block_size" in r.message for r in caplog.records)
+            path.write_text(f"- {a}\n- {b}\n")  # a plain list works too
+            assert len(await names_of(app, 2)) == 2
+
+
+async def test_admin_api_validates_like_the_config() -> None:
+    async with run_fleet(1, SIM) as fleet:
+        dns = f"127.0.0.1:{fleet.workers[0].port}"
+        config = Config(workers_dns=dns, tokenizer=str(PACKAGED_TOKENIZER), admin_insecure=True)
+        app = RouterApp(config.validate())
+        async with serve_in_process(app) as url, httpx.AsyncClient(base_url=url) as client:
+            bad = await client.post("/admin/workers", json={"workers": [{"url": 5}]})
+            assert bad.status_code == 400
+            assert bad.json()["error"]["param"] == "workers[0].url"
+            twice = {"workers": ["http://h:1", "http://h:1"]}
+            dup = await client.post("/admin/workers", json=twice)
+            assert dup.status_code == 400 and "listed twice" in dup.json()["error"]["message"]
+            assert len(app.pool.handles) == 1
+
+
+def test_tokenizer_flags_split_default_and_per_model(tmp_path: Path) -> None:
+    odd = tmp_path / "a=b"
+    odd.mkdir()
+    default, per_model = split_tokenizer_flags(
+        ["/models/x", "llama=/models/llama", "qwen=remote", str(odd)]
+    )
+    assert default == str(odd)  # an existing folder whose name has "=" is a path
+    assert per_model == {"llama": "/models/llama", "qwen": "remote"}
