@@ -38,6 +38,32 @@ def standin_service(addresses: list[str]) -> Any:
     return extproc_standin.DecisionService(addresses, models=(MODEL,))
 
 
+@contextlib.asynccontextmanager
+async def real_service(addresses: list[str]) -> AsyncIterator[Any]:
+    """kvroute's own DecisionService (router.routing) over the fleet, its control plane
+    (KV events, health, scraping) running in this event loop, as `kvroute serve` runs it."""
+    from router.app import RouterApp
+    from router.core.config import Config, WorkerConfig
+    from router.procs import serve_in_process
+    from router.tokenize import PACKAGED_TOKENIZER
+
+    cfg = Config(
+        workers=tuple(WorkerConfig(f"http://{a}") for a in addresses),
+        tokenizer=str(PACKAGED_TOKENIZER),
+        admin_insecure=True,
+        scrape_interval_s=0.2,
+        health_check_interval_s=0.2,
+    )
+    app = RouterApp(cfg)
+    async with serve_in_process(app):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 15
+        while not app.routing.ready:
+            assert loop.time() < deadline, "the decision service never became ready"
+            await asyncio.sleep(0.05)
+        yield app.routing
+
+
 @dataclass
 class Gateway:
     fleet: FleetProcess
@@ -89,63 +115,73 @@ def served_by(gw: Gateway, resp: httpx.Response) -> str | None:
     return fps.get(resp.json().get("system_fingerprint"))
 
 
+@dataclass
+class Options:
+    """How `gateway()` sets things up (its keyword arguments)."""
+
+    workers: int = 2
+    body_mode: str = "buffered"
+    failure_mode: str = "close"
+    response_body: str = "read"
+    make_service: MakeService = standin_service
+    # cluster members that are not in the fleet (a port nobody listens on: the fallback test)
+    extra_endpoints: tuple[Endpoint, ...] = ()
+    eds_path: Path | None = None
+    max_body_bytes: int = 32 * 1024 * 1024
+    message_timeout_s: float = 5.0
+    tweak: Callable[[dict[str, Any]], None] | None = None  # edits the bootstrap before start
+    timeout_s: float = 30.0
+
+
 @contextlib.asynccontextmanager
-async def gateway(
-    *,
-    workers: int = 2,
-    body_mode: str = "buffered",
-    failure_mode: str = "close",
-    response_body: str = "read",
-    make_service: MakeService = standin_service,
-    extra_endpoints: tuple[Endpoint, ...] = (),
-    eds_path: Path | None = None,
-    max_body_bytes: int = 32 * 1024 * 1024,
-    message_timeout_s: float = 5.0,
-    tweak: Callable[[dict[str, Any]], None] | None = None,
-    timeout_s: float = 30.0,
-) -> AsyncIterator[Gateway]:
-    """Fleet + picker + Envoy; `extra_endpoints` are cluster members that are not in the
-    fleet (e.g. a port nobody listens on, for the fallback test); `tweak` edits the rendered
-    bootstrap before Envoy starts."""
-    with FleetProcess(workers, extra=FAST) as fleet:
+async def gateway(**options: Any) -> AsyncIterator[Gateway]:
+    """Fleet (its own process) + decision service + picker + Envoy, all on loopback."""
+    o = Options(**options)
+    with FleetProcess(o.workers, extra=FAST) as fleet:
         prints = await _fingerprints(fleet.urls)
-        members = tuple(parse_worker(u) for u in fleet.urls) + extra_endpoints
-        svc = make_service([f"{e.host}:{e.port}" for e in members])
-        picker = ExtProcServer(svc, "127.0.0.1", 0, max_body_bytes=max_body_bytes)
-        await picker.start()
-        try:
-            cfg = GatewayConfig(
-                listen_port=free_port(),
-                ext_proc=Endpoint("127.0.0.1", picker.port),
-                workers=() if eds_path else members,
-                body_mode=body_mode,
-                failure_mode=failure_mode,
-                response_body=response_body,
-                admin_port=free_port(),
-                listen_host="127.0.0.1",
-                eds_path=eds_path,
-                picker_health_interval_s=0.5,
-                max_body_bytes=max_body_bytes,
-                message_timeout_s=message_timeout_s,
-            )
-            doc = bootstrap(cfg)
-            if tweak is not None:
-                tweak(doc)
-            with EnvoyProcess(cfg, doc=doc) as envoy:
-                limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
-                async with httpx.AsyncClient(
-                    base_url=envoy.url, timeout=timeout_s, limits=limits
-                ) as client:
-                    if failure_mode == "open":  # only then is the picker health-checked
-                        await wait_cluster(envoy, "kvroute_picker", healthy=True)
-                    gw = Gateway(fleet, prints, svc, picker, envoy, client, picker.port)
-                    try:
-                        yield gw
-                    finally:
-                        picker = gw.picker  # the test may have replaced it
-        finally:
-            if picker is not None:
-                await picker.stop(0.5)
+        members = tuple(parse_worker(u) for u in fleet.urls) + o.extra_endpoints
+        made = o.make_service([f"{e.host}:{e.port}" for e in members])
+        async with contextlib.AsyncExitStack() as stack:
+            svc = await stack.enter_async_context(made) if hasattr(made, "__aenter__") else made
+            picker = ExtProcServer(svc, "127.0.0.1", 0, max_body_bytes=o.max_body_bytes)
+            await picker.start()
+            gw = Gateway(fleet, prints, svc, picker, None, None, picker.port)  # type: ignore[arg-type]
+            try:
+                gw.envoy = stack.enter_context(_envoy(o, members, picker.port))
+                gw.client = await stack.enter_async_context(_client(gw.envoy.url, o.timeout_s))
+                if o.failure_mode == "open":  # only then is the picker health-checked
+                    await wait_cluster(gw.envoy, "kvroute_picker", healthy=True)
+                yield gw
+            finally:
+                await stack.aclose()  # client and Envoy first, then the picker
+                if gw.picker is not None:  # the test may have replaced it
+                    await gw.picker.stop(0.5)
+
+
+def _envoy(o: Options, members: tuple[Endpoint, ...], picker_port: int) -> EnvoyProcess:
+    cfg = GatewayConfig(
+        listen_port=free_port(),
+        ext_proc=Endpoint("127.0.0.1", picker_port),
+        workers=() if o.eds_path else members,
+        body_mode=o.body_mode,
+        failure_mode=o.failure_mode,
+        response_body=o.response_body,
+        admin_port=free_port(),
+        listen_host="127.0.0.1",
+        eds_path=o.eds_path,
+        picker_health_interval_s=0.5,
+        max_body_bytes=o.max_body_bytes,
+        message_timeout_s=o.message_timeout_s,
+    )
+    doc = bootstrap(cfg)
+    if o.tweak is not None:
+        o.tweak(doc)
+    return EnvoyProcess(cfg, doc=doc)
+
+
+def _client(url: str, timeout_s: float) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+    return httpx.AsyncClient(base_url=url, timeout=timeout_s, limits=limits)
 
 
 async def _fingerprints(urls: list[str]) -> dict[str, str]:

@@ -16,6 +16,7 @@ import pytest
 from gateway_harness import (
     Gateway,
     gateway,
+    real_service,
     served_by,
     standin_service,
     wait_cluster,
@@ -299,3 +300,20 @@ async def test_a_worker_that_joins_later_is_reachable_without_restart(
 def _ep(addr: str) -> Endpoint:
     host, _, port = addr.rpartition(":")
     return Endpoint(host, int(port))
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_the_real_decision_service_routes_a_repeat_to_its_cache(mode: str) -> None:
+    """kvroute's own DecisionService behind Envoy: a repeated long prompt comes back to the
+    worker that cached it, the engine reports the hit, and the load is released."""
+    async with gateway(body_mode=mode, make_service=real_service) as gw:
+        prompts = [f"{i} " + "shared context words " * 120 for i in range(4)]
+        first = [await assert_served_as_picked(gw, await gw.complete(p)) for p in prompts]
+        await asyncio.sleep(0.5)  # the workers' KV events reach the index
+        for p, where in zip(prompts, first, strict=True):
+            again = await gw.complete(p)
+            assert await assert_served_as_picked(gw, again) == where
+            assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        await asyncio.sleep(0.2)
+        load = gw.svc.fleet.load
+        assert all(load._local[w].requests == 0 for w in load._local)  # every ticket finished
