@@ -19,7 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from router.core.errors import ConfigError
-from router.procs import free_port
+from router.procs import FleetProcess, free_port
 
 extproc_standin.install()
 
@@ -203,3 +203,20 @@ async def test_unreadable_tls_files_are_a_config_error(tmp_path: Path) -> None:
     server = ExtProcServer(extproc_standin.DecisionService([]), "127.0.0.1", 0, tls=tls)
     with pytest.raises(ConfigError, match="missing"):
         await server.start()
+
+
+async def test_every_conformance_case_passes_against_the_real_decision_service() -> None:
+    """The kit against kvroute's own DecisionService over a simulated fleet."""
+    from gateway_harness import FAST, real_service
+
+    with FleetProcess(3, extra=FAST) as fleet:
+        endpoints = [u.removeprefix("http://") for u in fleet.urls]
+        async with real_service(endpoints) as svc:
+            server = ExtProcServer(svc, "127.0.0.1", 0)
+            await server.start()
+            try:
+                cases = await run_kit(f"127.0.0.1:{server.port}", endpoints)
+            finally:
+                await server.stop(0)
+    failed = [c for c in cases if c["status"] != "pass"]
+    assert not failed, failed

@@ -108,7 +108,9 @@ async def buffered_chat(kit: Kit) -> str:
 
 
 async def duplex_completion(kit: Kit) -> str:
-    body = wire.completion_body(kit.model, "stream me " * 20_000)  # > one 64 KiB chunk
+    # > one 64 KiB chunk, with a short prompt: JSON whitespace pads it (any model accepts it)
+    short = wire.completion_body(kit.model, "stream me " * 20)
+    body = short[:1] + b" " * 100_000 + short[1:]
     s = kit.stream()
     try:
         await s.send(wire.request_headers("POST", "/v1/completions", body_mode=DUPLEX))
