@@ -40,6 +40,8 @@ WORKER_HEADER = "x-kvroute-worker"
 # FULL_DUPLEX_STREAMED bodies bypass Envoy's buffer limit: the picker enforces it (413).
 DEFAULT_MAX_BODY = 32 * 1024 * 1024
 Responses = list[gie.ProcessingResponse]
+_REQUEST_HEADERS = frozenset({":method", ":path"})
+_RESPONSE_HEADERS = frozenset({":status", "content-type"})
 _encode = msgspec.json.encode
 
 
@@ -87,7 +89,7 @@ class Exchange:
         self.duplex_response = cfg.response_body_mode == DUPLEX
         self.reads_response = cfg.response_body_mode != NO_BODY
         self.subset = gie.subset_of(req)
-        headers = gie.headers_of(req.request_headers)
+        headers = gie.headers_of(req.request_headers, _REQUEST_HEADERS)
         method = headers.get(":method", "GET")
         path = headers.get(":path", "/").split("?", 1)[0]
         if method == "GET" and path == "/v1/models":
@@ -144,7 +146,7 @@ class Exchange:
     # ---- response: load accounting only ---------------------------------------------------
 
     def _response_headers(self, req: gie.ProcessingRequest) -> Responses:
-        headers = gie.headers_of(req.response_headers)
+        headers = gie.headers_of(req.response_headers, _RESPONSE_HEADERS)
         self.status = int(headers.get(":status", "0") or 0)
         self.streaming = headers.get("content-type", "").startswith("text/event-stream")
         served = gie.served_of(req)
@@ -161,7 +163,7 @@ class Exchange:
             self.svc.first_token(self.ticket)
         if self.picked is None:
             return [gie.passthrough("response_headers")]
-        return [gie.with_headers("response_headers", [(WORKER_HEADER, self.picked)])]
+        return [gie.with_headers("response_headers", ((WORKER_HEADER, self.picked),))]
 
     def _response_body(self, msg: Any) -> Responses:
         if self.ticket is not None:

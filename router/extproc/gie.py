@@ -6,7 +6,8 @@ conformance kit, so that all three speak exactly the same bytes."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -27,11 +28,16 @@ ProcessingRequest = pb.ProcessingRequest
 ProcessingResponse = pb.ProcessingResponse
 
 
-def headers_of(msg: pb.HttpHeaders) -> dict[str, str]:
-    """Lower-case name -> value (Envoy sends raw_value bytes unless told otherwise)."""
+def headers_of(msg: pb.HttpHeaders, wanted: frozenset[str] | None = None) -> dict[str, str]:
+    """Lower-case name -> value, of every header or only the `wanted` ones (cheaper: field
+    access on protobuf messages is what a picker spends its time on). Envoy sends raw_value
+    bytes unless told otherwise."""
     out: dict[str, str] = {}
     for h in msg.headers.headers:
-        out[h.key] = h.value or h.raw_value.decode("latin-1")
+        key = h.key
+        if wanted is None or key in wanted:
+            raw = h.raw_value
+            out[key] = raw.decode("latin-1") if raw else h.value
     return out
 
 
@@ -51,10 +57,13 @@ def served_of(req: pb.ProcessingRequest) -> str | None:
         if found:
             return found[0]
     if req.HasField("response_headers"):
-        value = headers_of(req.response_headers).get(SERVED_KEY)
+        value = headers_of(req.response_headers, _SERVED_ONLY).get(SERVED_KEY)
         if value:
             return value.split(",")[0].strip()
     return None
+
+
+_SERVED_ONLY = frozenset({SERVED_KEY})
 
 
 def _endpoints(value: struct_pb2.Value) -> list[str]:
@@ -63,18 +72,38 @@ def _endpoints(value: struct_pb2.Value) -> list[str]:
     return [p.strip() for p in value.string_value.split(",") if p.strip()]
 
 
-def decision(
-    endpoints: Iterable[str],
-    *,
-    phase: str,
-    extra_headers: Iterable[tuple[str, str]] = (),
-) -> pb.ProcessingResponse:
+def decision(endpoints: Iterable[str], *, phase: str) -> pb.ProcessingResponse:
     """The pick in the GIE shape: the header and the envoy.lb metadata carry the same ordered
     fallback list, and the route cache is cleared so that routing sees them. `phase` is the
-    ProcessingResponse field answered: request_headers or request_body."""
+    ProcessingResponse field answered: request_headers or request_body. Messages are never
+    mutated once built, so the same answer is shared (a fleet has few distinct lists)."""
     value = ",".join(endpoints)
+    return _shared(("decision", phase, value), lambda: _decision(value, phase))
+
+
+def with_headers(phase: str, pairs: tuple[tuple[str, str], ...]) -> pb.ProcessingResponse:
+    """Continue, setting these headers (shared like `decision`)."""
+    return _shared(("headers", phase, pairs), lambda: _with_headers(phase, pairs))
+
+
+_SHARED: dict[tuple[str, str, Any], pb.ProcessingResponse] = {}
+_SHARED_MAX = 4096
+
+
+def _shared(
+    key: tuple[str, str, Any], build: Callable[[], pb.ProcessingResponse]
+) -> pb.ProcessingResponse:
+    found = _SHARED.get(key)
+    if found is None:
+        if len(_SHARED) >= _SHARED_MAX:
+            _SHARED.clear()  # a churning fleet: start over rather than grow
+        found = _SHARED[key] = build()
+    return found
+
+
+def _decision(value: str, phase: str) -> pb.ProcessingResponse:
     common = pb.CommonResponse(clear_route_cache=True)
-    _set_headers(common.header_mutation, [(DEST_HEADER, value), *extra_headers])
+    _set_headers(common.header_mutation, [(DEST_HEADER, value)])
     resp = pb.ProcessingResponse()
     getattr(resp, phase).response.CopyFrom(common)
     resp.dynamic_metadata.fields[DEST_NAMESPACE].struct_value.fields[
@@ -106,7 +135,7 @@ def passthrough(phase: str) -> pb.ProcessingResponse:
 _PASSTHROUGH: dict[str, pb.ProcessingResponse] = {}
 
 
-def with_headers(phase: str, pairs: Iterable[tuple[str, str]]) -> pb.ProcessingResponse:
+def _with_headers(phase: str, pairs: Iterable[tuple[str, str]]) -> pb.ProcessingResponse:
     resp = pb.ProcessingResponse()
     _set_headers(getattr(resp, phase).response.header_mutation, pairs)
     return resp
