@@ -55,7 +55,8 @@ async def real_service(addresses: list[str]) -> AsyncIterator[Any]:
         health_check_interval_s=0.2,
     )
     app = RouterApp(cfg)
-    async with serve_in_process(app):
+    async with serve_in_process(app) as url:
+        app.routing.proxy_url = url  # type: ignore[attr-defined]  # the same brain's HTTP door
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 15
         while not app.routing.ready:
