@@ -15,7 +15,7 @@ import httpx
 
 async def main(url: str, n: int, model: str) -> None:
     limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
-    async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=200, limits=limits) as client:
 
         async def one(i: int) -> dict[str, object]:
             body = {"model": model, "prompt": f"c{i} " * 8, "max_tokens": 2}
