@@ -167,3 +167,42 @@ async def test_per_model_tokenizer_overrides_the_default() -> None:
         resp = await complete(s, "model-b", DOC)
         assert resp.status_code == 200
         assert s.app.routing._remote_cache.misses >= 1
+
+
+async def test_data_parallel_ranks_are_endpoints_routed_by_header() -> None:
+    """A worker with two data-parallel ranks: two endpoints, each indexed from its own
+    events, and a repeat goes to the rank that holds its prefix (X-data-parallel-rank)."""
+    dp = sim("kvroute-sim", data_parallel_size=2)
+    async with run_fleet(configs=[dp]) as fleet:
+        cfg = Config(
+            workers=(WorkerConfig(fleet.urls[0]),),
+            tokenizer=str(PACKAGED_TOKENIZER),
+            admin_insecure=True,
+            scrape_interval_s=0.2,
+            health_check_interval_s=0.2,
+        )
+        app = RouterApp(cfg)
+        async with serve_in_process(app) as url, httpx.AsyncClient(base_url=url) as client:
+            base = f"127.0.0.1:{fleet.workers[0].port}"
+            assert sorted(app.fleet.workers) == [f"{base}#dp0", f"{base}#dp1"]
+            homes = {}
+            for doc in ("alpha", "beta", "gamma", "delta"):
+                text = f"{DOC} {doc} " * 2
+                first = await client.post("/v1/completions", json=body(text))
+                home = first.headers["x-kvroute-worker"]
+                homes[doc] = home
+                for _ in range(100):
+                    if app.fleet.index.entries_of(home) > 0:
+                        break
+                    await asyncio.sleep(0.02)
+                again = await client.post("/v1/completions", json=body(text + " more"))
+                assert again.headers["x-kvroute-worker"] == home
+                assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            assert set(homes.values()) == {f"{base}#dp0", f"{base}#dp1"}
+            health = (await client.get("/health")).json()
+            ranks = sorted(w.get("data_parallel_rank") for w in health["workers"])
+            assert ranks == [0, 1]
+
+
+def body(prompt: str) -> dict[str, Any]:
+    return {"model": "kvroute-sim", "prompt": prompt, "max_tokens": 2}

@@ -56,7 +56,7 @@ class FavouriteScorer:
 def favourite() -> Iterator[None]:
     scorers.register("favourite", FavouriteScorer, FavouriteParams, "likes one worker")
     yield
-    del scorers.REGISTRY["favourite"]
+    scorers.REGISTRY.unregister("favourite")
 
 
 def doc(**scoring: object) -> dict[str, object]:

@@ -93,6 +93,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--api-key", default=None, help="require this bearer key on /v1/* (vLLM's --api-key)"
     )
+    g.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engines behind one server, each with its KV cache and event publisher; "
+        "X-data-parallel-rank picks one (vLLM's --data-parallel-size)",
+    )
     s = p.add_argument_group("scheduling and latency")
     s.add_argument("--max-batch", type=int, default=64, help="max running requests (max_num_seqs)")
     s.add_argument(
@@ -187,6 +194,7 @@ def config_from_args(
         lora_modules=_lora_modules(args.lora_modules),
         api_key=args.api_key,
         kv_transfer=kv_transfer,
+        data_parallel_size=args.data_parallel_size,
     )
     return config.replace(**over).validate()
 
@@ -219,9 +227,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(config: SimConfig) -> int:
-    from engines.sim.worker import SimWorker
+    from engines.sim.dp import sim_worker
 
-    worker = SimWorker(config)
+    worker = sim_worker(config)
     try:
         await worker.start()
     except (RuntimeError, OSError) as exc:

@@ -50,6 +50,8 @@ class SimConfig:
     output_len: tuple[int, int] = (16, 64)
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) served as extra models
     api_key: str | None = None  # vLLM's --api-key: guards /v1/* as vLLM does
+    data_parallel_size: int = 1  # vLLM's --data-parallel-size: engines behind one server
+    data_parallel_rank: int = 0  # which one this engine is (its events and metrics say so)
     name: str = "sim"
     kv_transfer: KVTransferConfig | None = None  # P/D handoff over NIXL (engines.sim.pd_*)
 
@@ -67,6 +69,7 @@ class SimConfig:
         _positive("max_num_seqs", self.max_num_seqs, "e.g. --max-batch 64")
         _positive("max_num_batched_tokens", self.max_num_batched_tokens, "e.g. 8192")
         _positive("buffer_steps", self.buffer_steps, "vLLM's default is 10000")
+        _positive("data_parallel_size", self.data_parallel_size, "e.g. --data-parallel-size 2")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port={self.port}: use 1..65535, or 0 for a free port")
         if self.max_model_len is not None:

@@ -39,6 +39,7 @@ from typing import Any, Self
 
 from engines.sim.cli import add_engine_args, config_from_args, wait_for_signal
 from engines.sim.config import ConfigError, SimConfig
+from engines.sim.dp import sim_worker
 from engines.sim.worker import SimWorker
 
 FLEET_TOPIC = "kv-events"
@@ -84,14 +85,14 @@ async def run_fleet(
     *,
     no_events_on: Sequence[int] = (),
     configs: Sequence[SimConfig] | None = None,
-    make_worker: Callable[[SimConfig], SimWorker] = SimWorker,
+    make_worker: Callable[[SimConfig], SimWorker] | None = None,
 ) -> AsyncIterator[Fleet]:
     """Run workers in this event loop for the duration of the block."""
     configs = list(configs) if configs is not None else fleet_configs(n, base, no_events_on)
     workers: list[SimWorker] = []
     try:
         for config in configs:
-            worker = make_worker(config)
+            worker = (make_worker or sim_worker)(config)
             workers.append(worker)
             await worker.start()
         yield Fleet(workers)

@@ -25,9 +25,9 @@ LABELS = ("model_name", "engine")
 
 
 class SimMetrics:
-    def __init__(self, model_name: str, cache_info: dict[str, str]) -> None:
+    def __init__(self, model_name: str, cache_info: dict[str, str], engine: str = "0") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        r, lv = self.registry, (model_name, "0")
+        r, lv = self.registry, (model_name, engine)
         self.running = Gauge(
             "vllm:num_requests_running",
             "Number of requests in model execution batches.",

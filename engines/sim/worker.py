@@ -91,7 +91,7 @@ class SimWorker:
             self.tokenizer.word_ids, self.tokenizer.eos_token_id, c.seed, c.output_len
         )
         self.publisher = EventPublisher(_publisher_config(c)) if c.events else None
-        self.metrics = SimMetrics(c.model, c.cache_info())
+        self.metrics = SimMetrics(c.model, c.cache_info(), str(c.data_parallel_rank))
         self.connector = self._connector(clock)
         self.engine = Engine(
             self.scheduler,
@@ -262,4 +262,5 @@ def _publisher_config(c: SimConfig) -> PublisherConfig:
         topic=c.topic,
         buffer_steps=c.buffer_steps,
         hwm=c.hwm,
+        dp_rank=c.data_parallel_rank,
     )

@@ -18,7 +18,7 @@ from router.core.profiles import Profile, build_profile
 from router.core.typed import build, convert, fail
 
 MODES = ("events", "approx", "auto")
-POLICIES = tuple(POLICY_REGISTRY)
+POLICIES = tuple(POLICY_REGISTRY)  # the names registered at import
 ROLES = ("both", "prefill", "decode")
 ENGINES = ("vllm",)  # the adapters in engines.ADAPTERS (a test keeps the two in step)
 ENV_PREFIX = "KVROUTE_"

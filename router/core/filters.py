@@ -18,13 +18,14 @@ nobody else can take).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from router.core.decision import RouteRequest
 from router.core.errors import KvrouteError, NotFound, NoWorkerAvailable
 from router.core.fleet import FleetState, WorkerState
+from router.core.registry import Registry
 from router.core.scoring import Candidate, NoParams
 
 
@@ -180,18 +181,8 @@ class LoadBoundFilter:
         return None
 
 
-@dataclass(frozen=True)
-class FilterSpec:
-    factory: Callable[[Any], Filter]
-    params: type[Any]
-
-
-REGISTRY: dict[str, FilterSpec] = {}
-
-
-def register(name: str, factory: Callable[[Any], Filter], params: type[Any]) -> None:
-    REGISTRY[name] = FilterSpec(factory, params)
-
+REGISTRY: Registry[Filter] = Registry("filter")
+register = REGISTRY.register
 
 register("model", ModelFilter, NoParams)
 register("available", AvailableFilter, NoParams)

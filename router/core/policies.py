@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from router.core.decision import WorkerScore
+from router.core.registry import Registry
 from router.core.scoring import NoParams
 
 
@@ -94,18 +94,8 @@ class LeastLoadPolicy:
         return sorted(scores, key=lambda s: (s.requests, s.prefill_tokens, s.worker))
 
 
-@dataclass(frozen=True)
-class PolicySpec:
-    factory: Callable[[Any], Policy]
-    params: type[Any]
-
-
-REGISTRY: dict[str, PolicySpec] = {}
-
-
-def register(name: str, factory: Callable[[Any], Policy], params: type[Any]) -> None:
-    REGISTRY[name] = PolicySpec(factory, params)
-
+REGISTRY: Registry[Policy] = Registry("policy")
+register = REGISTRY.register
 
 register("kv", KvPolicy, KvParams)
 register("round_robin", RoundRobinPolicy, NoParams)

@@ -17,7 +17,6 @@ from router.core.policies import REGISTRY as POLICIES
 from router.core.policies import Policy, PolicyState
 from router.core.scorers import build_scorers
 from router.core.scoring import Scorer
-from router.core.typed import build
 
 DEFAULT_FILTERS = ("model", "available", "subset", "tried", "load_bound")
 
@@ -48,17 +47,12 @@ def build_profile(
 ) -> Profile:
     """Everything is looked up in its registry and its parameters typed, so a bad name or
     value is a ConfigError naming the field (Config.validate builds each profile once)."""
-    spec = POLICIES[policy]
-    typed_policy = build(spec.params, dict(policy_params), "policy_params")
     built_filters = [
-        FILTERS[f].factory(
-            build(FILTERS[f].params, dict((filter_params or {}).get(f, {})), f"filters.{f}")
-        )
-        for f in filters
+        FILTERS.build(f, (filter_params or {}).get(f), f"filters.{f}", "filters") for f in filters
     ]
     return Profile(
         name=name,
-        policy=spec.factory(typed_policy),
+        policy=POLICIES.build(policy, policy_params, "policy_params", "policy"),
         scorers=build_scorers(weights, scorer_params),
         filters=built_filters,
         state=PolicyState(rng or random.Random(0)),

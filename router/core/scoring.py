@@ -11,9 +11,9 @@ in the config (`scoring.weights.<name>`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from router.core.load import LoadView
 
@@ -50,13 +50,6 @@ class Scorer(Protocol):
     name: str
 
     def score(self, request: ScoreRequest, cands: Sequence[Candidate]) -> dict[str, float]: ...
-
-
-@dataclass(frozen=True)
-class ScorerSpec:
-    factory: Callable[[Any], Scorer]  # takes an instance of `params`
-    params: type[Any]  # a dataclass with defaults for every field
-    doc: str
 
 
 def clamp(value: float) -> float:
