@@ -82,6 +82,9 @@ class RouterApp:
             self.routing, self.pool, forwarder, self.metrics, config, access, tracer
         )
         self.control = Control(self.routing, self.sources, self.metrics)
+        # other doors served by this process (the Envoy picker): started after the fleet,
+        # stopped before it
+        self.doors: list[Any] = []
 
     def _abort(self, host: str, port: int, why: str) -> None:
         n = self.upstream.abort(host, port, why)
@@ -141,12 +144,19 @@ class RouterApp:
     async def startup(self) -> None:
         await self.sources.start()
         self.routing.started = True
+        for door in self.doors:
+            await door.start()
 
     def start_draining(self) -> None:
         """SIGTERM: /ready turns 503 and every connection closes after its response."""
         self.routing.draining = True
+        for door in self.doors:
+            if hasattr(door, "start_draining"):
+                door.start_draining()
 
     async def shutdown(self) -> None:
+        for door in reversed(self.doors):
+            await door.stop()
         await self.sources.stop()
         self.upstream.close()
         await self.client.aclose()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ipaddress
 import logging
 import os
@@ -68,6 +69,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _fleet_args(p)
     _routing_args(p)
     _operator_args(p)
+    from router.extproc.cli import add_arguments as ext_proc_arguments
+
+    ext_proc_arguments(p)
     t = p.add_argument_group("timeouts and limits")
     for flag, field_name, kind, what in _TUNING:
         default = getattr(Config(), field_name)
@@ -260,12 +264,21 @@ def run(args: argparse.Namespace) -> int:
                     "model's tokenizer folder for local tokenization"
                 )
         from router.app import RouterApp
+        from router.extproc.cli import server_from_args
 
         app = RouterApp(config)
+        picker = server_from_args(
+            args, app.routing, max_body_bytes=config.max_body_bytes, default_host=config.host
+        )
     except ConfigError as err:
         print(f"kvroute serve: {err.message}", file=sys.stderr)
         return 2
     _announce(config)
+    if picker is not None:
+        app.doors.append(picker)
+        log.warning("Envoy ext_proc picker on %s:%d (gRPC)", picker.host, picker.port)
+    if getattr(args, "no_proxy", False):
+        return asyncio.run(_picker_alone(app))
     from router.server import serve, server_config
 
     uv = server_config(
@@ -278,6 +291,24 @@ def run(args: argparse.Namespace) -> int:
         tls_key=config.tls_key,
     )
     serve(uv, app.start_draining, config.drain_delay_s)
+    return 0
+
+
+async def _picker_alone(app: Any) -> int:
+    """--no-proxy: the fleet and the picker, no HTTP listener; SIGTERM drains like serve."""
+    import signal
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await app.startup()
+    try:
+        await stop.wait()
+        app.start_draining()
+        await asyncio.sleep(app.config.drain_delay_s)
+    finally:
+        await app.shutdown()
     return 0
 
 

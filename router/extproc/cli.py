@@ -57,7 +57,11 @@ def tls_from_args(args: argparse.Namespace) -> TlsFiles | None:
 
 
 def server_from_args(
-    args: argparse.Namespace, svc: DecisionService, *, max_body_bytes: int = DEFAULT_MAX_BODY
+    args: argparse.Namespace,
+    svc: DecisionService,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY,
+    default_host: str = "127.0.0.1",
 ) -> ExtProcServer | None:
     """The picker the flags ask for (None without --ext-proc-port); bad combinations stop
     start-up with a ConfigError naming the flag. `max_body_bytes`: the proxy's limit
@@ -71,5 +75,5 @@ def server_from_args(
         return None
     if not 0 <= port <= 65535:
         raise ConfigError(f"--ext-proc-port {port}: a TCP port is 0..65535")
-    host = args.ext_proc_host or getattr(args, "host", None) or "0.0.0.0"
+    host = args.ext_proc_host or default_host
     return ExtProcServer(svc, host, port, tls=tls_from_args(args), max_body_bytes=max_body_bytes)
