@@ -187,7 +187,7 @@ async def test_data_parallel_ranks_are_endpoints_routed_by_header() -> None:
             assert sorted(app.fleet.workers) == [f"{base}#dp0", f"{base}#dp1"]
             homes = {}
             for doc in ("alpha", "beta", "gamma", "delta"):
-                text = f"{DOC} {doc} " * 2
+                text = f"{doc} {doc}: {DOC}"  # distinct from the first token
                 first = await client.post("/v1/completions", json=body(text))
                 home = first.headers["x-kvroute-worker"]
                 homes[doc] = home
