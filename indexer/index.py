@@ -13,6 +13,10 @@ worker given a cap (`set_worker_cap`, from its real KV capacity) drops its own o
 at that cap, counted by `evicted_at_cap(worker)`. Prefixes through a dropped block stop
 matching until the worker stores it again; size the bound above the fleet's total KV blocks
 so it only trips when events were lost.
+
+A block id (engine hash) stored again for a different block (vLLM's content hashes make that
+a hash collision, or a mangled batch) first releases the block it named, as BlockRemoveds of
+it in every tier would, copies and all, then names the new one: every entry stays reachable.
 """
 
 from __future__ import annotations

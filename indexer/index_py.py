@@ -136,16 +136,33 @@ class PyCore:
         # the block stored just before it, held unless an eviction just dropped it.
         check_parent = True
         for bid, rh in zip(ids, router_hashes, strict=True):
+            old = w.ids.get(bid)
+            if old is not None and old != rh:
+                self._release_id(w, bid, old)
+                old, check_parent = None, True  # the release may have dropped the parent
             if not self._tier_masks(tier).get(rh, 0) & w.bit:
                 self._store_one(w, rh, parent, tier, check_parent, counts)
                 counts[0] += 1
-            elif count_copies and w.ids.get(bid) == rh:
+            elif count_copies and old == rh:
                 key = (bid, tier)
                 w.copies[key] = w.copies.get(key, 0) + 1
             w.ids[bid] = rh
             parent = rh
             check_parent = False
         return counts[0], counts[1], counts[2]
+
+    def _release_id(self, w: _Worker, bid: int, rh: int) -> None:
+        """A block id stored again for another block (a hash collision, or a mangled batch):
+        release the block it named as BlockRemoveds of it in every tier would, copies and
+        all, so no removal can be left unable to reach it. Then the id is free."""
+        del w.ids[bid]
+        if w.copies:
+            for key in [k for k in w.copies if k[0] == bid]:
+                del w.copies[key]
+        if self._held_any(rh, w.bit):
+            self._unhold(w, rh)  # while its bits still say who held it
+            self._drop_bits(w, rh)
+            self._prune_tiers()
 
     def _store_one(
         self,
@@ -211,8 +228,8 @@ class PyCore:
         tier: str,
     ) -> int | None:
         """The common case, done with C-level dict updates: a chain none of whose blocks the
-        worker holds yet, one tier, no holes, room under the bound and the cap. None: take
-        the general path."""
+        worker holds yet, under ids it has not used, one tier, no holes, room under the bound
+        and the cap. None: take the general path."""
         n = len(router_hashes)
         if (
             not n
@@ -226,7 +243,7 @@ class PyCore:
         masks, bit = self._masks, w.bit
         get = masks.get
         olds = [get(rh, 0) for rh in router_hashes]
-        if reduce(or_, olds) & bit:
+        if reduce(or_, olds) & bit or not self._claim_ids(w, ids, router_hashes):
             return None
         masks.update(zip(router_hashes, [m | bit for m in olds], strict=True))
         chain = list(router_hashes)
@@ -241,10 +258,24 @@ class PyCore:
             if not self._held_any(parent, bit):
                 w.holes += 1
                 self.holes_total += 1
-        w.ids.update(zip(ids, chain, strict=True))
         w.entries += n
         self.entries += n
         return n
+
+    @staticmethod
+    def _claim_ids(w: _Worker, ids: Sequence[int], router_hashes: Sequence[int]) -> bool:
+        """Record ids -> router hashes if every id is new to the worker and to the chain;
+        else change nothing and say no (the general path releases what a reused id named)."""
+        known = w.ids
+        if not known.keys().isdisjoint(ids):
+            return False
+        before = len(known)
+        known.update(zip(ids, router_hashes, strict=True))
+        if len(known) == before + len(ids):
+            return True
+        for bid in ids:  # an id twice in the chain: all were new, so popping undoes it
+            known.pop(bid, None)
+        return False
 
     # ---- removals ------------------------------------------------------------------------
 

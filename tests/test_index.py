@@ -138,3 +138,22 @@ def test_a_second_cached_copy_survives_one_removal(index: PrefixIndex) -> None:
     index.apply("a", EventBatch(0.0, [BlockRemoved(eh(2))]))
     assert index.find_matches(q(A)) == {"a": Overlap(1, {"GPU": 1})}
     index.verify()
+
+
+def test_an_id_stored_for_other_tokens_first_drops_its_block_everywhere(index: PrefixIndex) -> None:
+    """Engine id 2 named A's second block (cached twice in GPU, once in CPU); stored again
+    for other tokens, the old block goes from every tier, copies and all: nothing is left
+    that no BlockRemoved could reach, and one removal of id 2 now drops the new block."""
+    other = [*A[:4], 80, 81, 82, 83]
+    index.apply("a", stored(eh(1, 2), A[:8]))
+    index.apply("a", stored(eh(2), A[4:8], parent=1))  # a second copy
+    index.apply("a", stored(eh(2), A[4:8], parent=1, tier="CPU"))
+    index.apply("a", stored(eh(2), other[4:], parent=1))
+    assert index.find_matches(q(A)) == {"a": Overlap(1, {"GPU": 1})}
+    assert index.find_matches(q(other)) == {"a": Overlap(2, {"GPU": 2})}
+    assert index.entries_of("a") == 2
+    index.verify()
+    index.apply("a", EventBatch(0.0, [BlockRemoved(eh(2))]))
+    assert index.find_matches(q(other)) == {"a": Overlap(1, {"GPU": 1})}
+    assert index.entries_of("a") == 1
+    index.verify()

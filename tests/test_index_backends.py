@@ -81,6 +81,42 @@ class BackendsAgree(RuleBasedStateMachine):
 
     @rule(
         w=st.sampled_from(WORKERS),
+        ids_i=st.integers(0, 2),
+        seq_i=st.integers(0, 2),
+        start=st.integers(0, 5),
+        n=st.integers(1, 6),
+        tier=st.sampled_from(TIERS),
+        variant=st.integers(0, 2),
+        order=st.sampled_from(["as is", "reversed", "first"]),
+    )
+    def store_reused_ids(
+        self,
+        w: str,
+        ids_i: int,
+        seq_i: int,
+        start: int,
+        n: int,
+        tier: str,
+        variant: int,
+        order: str,
+    ) -> None:
+        """Another chain's engine ids (reversed, or its first id for every block) stored for
+        this chain's tokens: what each reused id named must go first."""
+        seq, other = self.chain(seq_i), self.chain(ids_i)
+        start %= len(seq)
+        blocks = seq[start : start + n]
+        ids = [engine_id(tuple(other[: i + 1]), variant) for i in range(len(other))]
+        if order == "reversed":
+            ids.reverse()
+        elif order == "first":
+            ids = ids[:1] * len(ids)
+        ids = (ids * 6)[start : start + len(blocks)]  # one per block, wrapping round
+        parent = engine_id(tuple(seq[:start]), variant) if start else None
+        event = BlockStored(ids, parent, [t for b in blocks for t in b], BS, tier=tier)
+        self.both("apply", w, EventBatch(0.0, [event]))
+
+    @rule(
+        w=st.sampled_from(WORKERS),
         seq_i=st.integers(0, 2),
         picks=st.lists(st.integers(0, 5), min_size=1, max_size=3),
         tier=st.sampled_from(TIERS),

@@ -38,17 +38,25 @@ class Reference:
         self.eng: dict[str, dict[int, Key]] = {w: {} for w in WORKERS}
 
     def store(
-        self, w: str, parent: int | None, base: Key, blocks: list[tuple[int, ...]], tier: str
+        self,
+        w: str,
+        parent: int | None,
+        base: Key,
+        blocks: list[tuple[int, ...]],
+        tier: str,
+        ids: list[int],
     ) -> None:
         if parent is not None:
             if parent not in self.eng[w]:
                 return
             base = self.eng[w][parent]
-        for block in blocks:
+        for block, eh in zip(blocks, ids, strict=True):
             base = (*base, block)
+            if self.eng[w].get(eh, base) != base:  # the id named another block: it goes
+                del self.held[w][self.eng[w].pop(eh)]
             tiers = self.held[w].setdefault(base, {})
             tiers[tier] = tiers.get(tier, 0) + 1
-            self.eng[w][engine_hash(base)] = base
+            self.eng[w][eh] = base
 
     def remove(self, w: str, eh: int, tier: str) -> None:
         key = self.eng[w].get(eh)
@@ -117,18 +125,23 @@ class IndexMachine(RuleBasedStateMachine):
         self.seq[w] += 1
 
     def blocks_event(
-        self, w: str, ns: int, seq_i: int, start: int, n: int, tier: str
-    ) -> tuple[wire.BlockStored, int | None, list[tuple[int, ...]]] | None:
+        self, w: str, ns: int, seq_i: int, start: int, n: int, tier: str, collide: bool = False
+    ) -> tuple[wire.BlockStored, int | None, list[tuple[int, ...]], list[int]]:
+        """A chain's blocks `start:start + n`, with their parent's and their own engine
+        hashes. `collide`: the same engine hashes for other tokens (each token + 3, never in
+        the pool), as a hash collision or a mangled batch would send them; a block is still
+        named by one id only (a token shows which of the two an id's chain had there)."""
         seq = self.pool[seq_i % len(self.pool)]
         start = start % len(seq)
-        blocks = seq[start : start + n]
         root = self.root(ns)
         parent_key = (*root, *seq[:start]) if start else None
         parent = engine_hash(parent_key) if parent_key else None
-        keys, key = [], (*root, *seq[:start])
-        for b in blocks:
+        keys: list[int] = []
+        key = (*root, *seq[:start])
+        for b in seq[start : start + n]:
             key = (*key, b)
             keys.append(engine_hash(key))
+        blocks = [tuple(t + 3 * collide for t in b) for b in seq[start : start + n]]
         lora, salt = NAMESPACES[ns]
         extra = [[salt]] + [None] * (len(blocks) - 1) if (salt and parent is None) else None
         event = wire.BlockStored(
@@ -141,7 +154,7 @@ class IndexMachine(RuleBasedStateMachine):
             lora_name=lora,
             extra_keys=extra,
         )
-        return event, parent, blocks
+        return event, parent, blocks, keys
 
     @rule(
         w=st.sampled_from(WORKERS),
@@ -153,13 +166,26 @@ class IndexMachine(RuleBasedStateMachine):
         lost=st.booleans(),
     )
     def store(self, w: str, ns: int, seq_i: int, start: int, n: int, tier: str, lost: bool) -> None:
-        built = self.blocks_event(w, ns, seq_i, start, n, tier)
-        assert built is not None
-        event, parent, blocks = built
+        event, parent, blocks, ids = self.blocks_event(w, ns, seq_i, start, n, tier)
         if lost:
             self.ref.clear(w)  # no replay endpoint: the router must drop what it knew
-        self.ref.store(w, parent, self.root(ns), blocks, tier)
+        self.ref.store(w, parent, self.root(ns), blocks, tier, ids)
         self.send(w, [event], lost_before=lost)
+
+    @rule(
+        w=st.sampled_from(WORKERS),
+        ns=st.integers(0, len(NAMESPACES) - 1),
+        seq_i=st.integers(0, 5),
+        start=st.integers(0, 5),
+        n=st.integers(1, 6),
+        tier=st.sampled_from(TIERS),
+    )
+    def store_colliding(self, w: str, ns: int, seq_i: int, start: int, n: int, tier: str) -> None:
+        """Engine hashes stored again for other tokens: the blocks they named go first, in
+        every tier, copies and all; the ids then name the new blocks."""
+        event, parent, blocks, ids = self.blocks_event(w, ns, seq_i, start, n, tier, collide=True)
+        self.ref.store(w, parent, self.root(ns), blocks, tier, ids)
+        self.send(w, [event])
 
     @rule(
         w=st.sampled_from(WORKERS),
@@ -185,8 +211,8 @@ class IndexMachine(RuleBasedStateMachine):
         self.ref.clear(w)
         self.seq[w] = 0
         self.ingest[w].reconnected()  # a new process: its stream comes on a new connection
-        event, parent, blocks = self.blocks_event(w, ns, seq_i, 0, 3, "GPU")  # type: ignore[misc]
-        self.ref.store(w, parent, self.root(ns), blocks, "GPU")
+        event, parent, blocks, ids = self.blocks_event(w, ns, seq_i, 0, 3, "GPU")
+        self.ref.store(w, parent, self.root(ns), blocks, "GPU", ids)
         self.send(w, [event])
 
     @invariant()

@@ -210,8 +210,8 @@ class FuzzReport:
     restarts: int = 0
     crashed: str = ""  # what escaped the ingest, if anything (must be "")
     equal: bool = False  # the index equals the one built from the accepted frames alone
-    # PrefixIndex.verify() passed at the end. Accepted junk can break it today: an engine
-    # hash stored again for other tokens leaves a stale entry (see tests/test_event_fuzz.py).
+    # PrefixIndex.verify() passed at the end (accepted junk included: an engine hash stored
+    # again for other tokens releases the block it named; tests/test_event_fuzz.py)
     index_consistent: bool = False
     seconds: float = 0.0
 

@@ -52,6 +52,18 @@ static int unhold(Core *c, int wid, u64 rh)
     return 0;
 }
 
+/* Drop a held block in every tier, and its id's extra copies. */
+static int drop_held(Core *c, int wid, u64 bid, u64 rh)
+{
+    Worker *w = &c->workers[wid];
+    for (int t = 0; t < w->ncopies; t++)
+        NO_MEM(cnt_add(&w->copies[t], bid, -(1LL << 40)));
+    if (unhold(c, wid, rh) < 0) /* while its bits still say who held it */
+        return -1;
+    drop_bits(c, wid, rh);
+    return 0;
+}
+
 /* Drop the worker's oldest held block (ids of blocks it no longer holds go on the way).
  * Returns 1, 0 if it held none, -1 on error. */
 static int evict_one(Core *c, int wid)
@@ -63,15 +75,24 @@ static int evict_one(Core *c, int wid)
             return 0;
         u64 bid = ORD_KEY(&v->ids, pos), rh = ORD_VAL(&v->ids, pos);
         ord_del_pos(&v->ids, pos);
-        if (!held_any(c, rh, wid))
-            continue;
-        for (int t = 0; t < v->ncopies; t++)
-            NO_MEM(cnt_add(&v->copies[t], bid, -(1LL << 40)));
-        if (unhold(c, wid, rh) < 0) /* while its bits still say who held it */
-            return -1;
-        drop_bits(c, wid, rh);
-        return 1;
+        if (held_any(c, rh, wid))
+            return drop_held(c, wid, bid, rh) < 0 ? -1 : 1;
     }
+}
+
+/* A block id stored again for another block (a hash collision, or a mangled batch): release
+ * the block it named as BlockRemoveds of it in every tier would, copies and all, so no
+ * removal can be left unable to reach it. Then the id is free. */
+static int release_id(Core *c, int wid, u32 pos)
+{
+    Worker *w = &c->workers[wid];
+    u64 bid = ORD_KEY(&w->ids, pos), rh = ORD_VAL(&w->ids, pos);
+    ord_del_pos(&w->ids, pos);
+    if (held_any(c, rh, wid))
+        return drop_held(c, wid, bid, rh);
+    for (int t = 0; t < w->ncopies; t++)
+        NO_MEM(cnt_add(&w->copies[t], bid, -(1LL << 40)));
+    return 0;
 }
 
 static int largest_worker(const Core *c)
@@ -155,19 +176,26 @@ int core_store(Core *c, int wid, int tier, const u64 *ids, const u64 *rhs, Py_ss
             ord_prefetch(&w->ids, ids[i + 2]);
             cnt_prefetch(&w->kids, rhs[i + 1]);
         }
+        u32 pos = ord_find(&w->ids, bid); /* this id's entry: ORD_NONE, or naming rh */
+        if (pos != ORD_NONE && ORD_VAL(&w->ids, pos) != rh) {
+            if (release_id(c, wid, pos) < 0)
+                return -1;
+            pos = ORD_NONE;
+            check_parent = 1; /* the release may have dropped the parent */
+        }
         if (!held_in(c, tier, rh, wid)) {
             if (store_one(c, wid, tier, rh, has_parent, parent, check_parent, counts) < 0)
                 return -1;
             counts[0]++;
-        } else if (count_copies) {
-            u32 pos = ord_find(&w->ids, bid);
-            if (pos != ORD_NONE && ORD_VAL(&w->ids, pos) == rh) {
-                if (core_ensure_copies(c, w, tier) < 0)
-                    return -1;
-                NO_MEM(cnt_add(&w->copies[tier], bid, 1));
-            }
+            if (pos != ORD_NONE && ord_is_dead(&w->ids, pos))
+                pos = ORD_NONE; /* an eviction swept the id away (it named a block gone) */
+        } else if (count_copies && pos != ORD_NONE) {
+            if (core_ensure_copies(c, w, tier) < 0)
+                return -1;
+            NO_MEM(cnt_add(&w->copies[tier], bid, 1));
         }
-        NO_MEM(ord_set(&w->ids, bid, rh));
+        if (pos == ORD_NONE)
+            NO_MEM(ord_append(&w->ids, bid, rh));
         parent = rh;
         has_parent = 1;
         check_parent = 0;

@@ -391,19 +391,14 @@ static int ord_make_room(Ord *o)
     return 0;
 }
 
-/* key -> val: an existing key keeps its place in the order. -1: no memory. */
-static int ord_set(Ord *o, u64 key, u64 val)
+/* Append key -> val; the key must be absent. -1: no memory. */
+static int ord_append(Ord *o, u64 key, u64 val)
 {
-    u32 pos = ord_find(o, key);
-    if (pos != ORD_NONE) {
-        ORD_VAL(o, pos) = val;
-        return 0;
-    }
     if (o->n == o->dcap && ord_make_room(o) < 0)
         return -1;
     if ((!o->icap || FULL(o->live + 1, o->icap)) && ord_reindex(o, o->icap ? o->icap * 2 : MIN_CAP) < 0)
         return -1;
-    pos = o->n++;
+    u32 pos = o->n++;
     ORD_KEY(o, pos) = key, ORD_VAL(o, pos) = val;
     o->live++;
     ord_index(o->idx, o->icap - 1, key, pos);
