@@ -89,11 +89,11 @@ def _shuffled(items: list[Chain], seed: int) -> list[Chain]:
 def seed_workload(t: Texts, run_seed: int, scale: float = 1.0) -> Workload:
     prefixes, repeats = _n(12, scale, 2), _n(6, scale, 2)
     docs = [t.make(_n(1500, scale, 32), f"Document {i}: ") for i in range(prefixes)]
-    order = [p for p in range(prefixes) for _ in range(repeats)]
+    order = [(p, k) for p in range(prefixes) for k in range(repeats)]
     random.Random(run_seed).shuffle(order)
     chains = [
         [Request(f"{docs[p]}\nQuestion {k}: what does section {k} say?", f"doc{p}", 8)]
-        for k, p in enumerate(order)
+        for p, k in order
     ]
     # 14,816 tokens per worker at full scale: half of the prefixes fit on each
     kv = 926 if scale >= 1 else max(8, round(926 * scale * 0.9))
