@@ -15,6 +15,7 @@ import itertools
 import json
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,8 @@ class Sample:
     gaps_ms: list[float]
     cached_tokens: int
     prompt_tokens: int
+    group: str = ""
+    worker: str | None = None  # kvroute's x-kvroute-worker header; peers name none
 
 
 @dataclass
@@ -40,10 +43,17 @@ class DriveResult:
     error_texts: list[str] = field(default_factory=list)
 
 
-async def drive(w: Workload, urls: list[str], timeout: float = 120.0) -> DriveResult:
-    """Run every wave to completion, one after the other."""
+async def drive(
+    w: Workload,
+    urls: list[str],
+    timeout: float = 120.0,
+    route: Callable[[Request], str] | None = None,
+) -> DriveResult:
+    """Run every wave to completion, one after the other. Requests alternate over `urls`,
+    unless `route` names the URL of each (the oracle placement, straight to the workers)."""
     result = DriveResult()
-    pick = itertools.cycle(urls)
+    cycle = itertools.cycle(urls)
+    pick = route or (lambda _: next(cycle))
     limits = httpx.Limits(max_connections=w.concurrency * 2 + 4)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         for wave in w.waves:
@@ -54,7 +64,7 @@ async def drive(w: Workload, urls: list[str], timeout: float = 120.0) -> DriveRe
 
 async def _chain(
     client: httpx.AsyncClient,
-    pick: itertools.cycle[str],
+    pick: Callable[[Request], str],
     chain: Chain,
     slots: asyncio.Semaphore,
     result: DriveResult,
@@ -62,7 +72,7 @@ async def _chain(
     async with slots:
         for r in chain:
             try:
-                result.samples.append(await one(client, next(pick), r))
+                result.samples.append(await one(client, pick(r), r))
             except (httpx.HTTPError, RuntimeError, ValueError) as exc:
                 result.errors += 1
                 if len(result.error_texts) < 5:
@@ -83,6 +93,7 @@ async def one(client: httpx.AsyncClient, url: str, r: Request) -> Sample:
     async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+        worker = resp.headers.get("x-kvroute-worker")
         async for line in resp.aiter_lines():
             if not line.startswith("data: {"):
                 continue
@@ -99,6 +110,8 @@ async def one(client: httpx.AsyncClient, url: str, r: Request) -> Sample:
         gaps_ms=[(b - a) * 1000 for a, b in itertools.pairwise(stamps)],
         cached_tokens=int(details.get("cached_tokens") or 0),
         prompt_tokens=int(usage.get("prompt_tokens", 0)),
+        group=r.group,
+        worker=worker,
     )
 
 

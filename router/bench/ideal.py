@@ -15,7 +15,7 @@ so this is an upper bound.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from router.bench.workloads import Request, Workload
 from router.tokenize import PACKAGED_TOKENIZER, LocalTokenizer
@@ -35,6 +35,16 @@ def ideal_fraction(w: Workload, tok: LocalTokenizer | None = None) -> float:
         cached += min(hit * w.block_size, (len(tokens) - 1) // w.block_size * w.block_size)
         prompt += len(tokens)
     return cached / max(prompt, 1)
+
+
+def oracle_route(w: Workload, tok: LocalTokenizer | None = None) -> Callable[[Request], int]:
+    """The ideal's placement as a router: request -> worker index (the `oracle` row sends
+    each request straight to that worker)."""
+    tok = tok or LocalTokenizer(PACKAGED_TOKENIZER)
+    order = replay_order(w)
+    place = placement(w, {r.prompt: len(tok.completion(r.prompt)) for r in order}, order)
+    by_prompt = {r.prompt: place[i] for i, r in enumerate(order)}
+    return lambda r: by_prompt[r.prompt]
 
 
 def replay_order(w: Workload) -> list[Request]:

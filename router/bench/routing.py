@@ -31,7 +31,7 @@ from typing import Any
 from engines.sim.fleet import start_fleet_process
 from router.bench import peers
 from router.bench.driver import DriveResult, drive, engine_counters
-from router.bench.ideal import ideal_fraction
+from router.bench.ideal import ideal_fraction, oracle_route
 from router.bench.targets import REPLICAS, TARGETS, Target, with_config
 from router.bench.workloads import GENERATORS, Workload, build
 
@@ -43,7 +43,7 @@ DEFAULT_ROUTERS = (
     "vllm-router-cache_aware",
 )
 DEFAULT_REPLICAS = ("vllm-prefix-repetition",)
-Drive = Callable[[Workload, list[str], list[dict[str, Any]], int], dict[str, Any]]
+Drive = Callable[[Workload, list[str], list[dict[str, Any]], bool], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -136,26 +136,32 @@ def one_run(w: Workload, target: Target, seed: int, drive_fn: Drive) -> dict[str
     with start_fleet_process(w.workers, args) as fleet:
         workers = fleet.workers
         with target.launch(workers, seed) as urls:
-            row = drive_fn(w, urls, workers, seed)
+            row = drive_fn(w, urls, workers, target.oracle)
     return row
 
 
 def _drive_own(
-    w: Workload, urls: list[str], workers: list[dict[str, Any]], seed: int
+    w: Workload, urls: list[str], workers: list[dict[str, Any]], oracle: bool
 ) -> dict[str, Any]:
-    result = asyncio.run(drive(w, urls))
+    route = None
+    if oracle:
+        home = oracle_route(w)
+        route = lambda r: urls[home(r)]  # noqa: E731
+    result = asyncio.run(drive(w, urls, route=route))
     row = run_row(result)
     row.update(_per_worker(workers))
     return row
 
 
 def _drive_vllm(
-    w: Workload, urls: list[str], workers: list[dict[str, Any]], seed: int
+    w: Workload, urls: list[str], workers: list[dict[str, Any]], oracle: bool
 ) -> dict[str, Any]:
-    from router.bench.vllm_driver import vllm_bench_serve
+    from router.bench.vllm_driver import VllmDriverError, vllm_bench_serve
 
+    if oracle:
+        raise VllmDriverError("the oracle row needs the bench's own driver")
     before = [engine_counters(str(x["url"])) for x in workers]
-    row = vllm_bench_serve(w, urls[0], seed)
+    row = vllm_bench_serve(w, urls[0], w.seed)
     after = [engine_counters(str(x["url"])) for x in workers]
     hits = _delta(after, before, "vllm:prefix_cache_hits_total")
     queries = _delta(after, before, "vllm:prefix_cache_queries_total")

@@ -12,6 +12,8 @@ should alternate over (two for `kvroute-replicas`), and stops them on exit.
   vllm-router-cache_aware    vllm-router --policy cache_aware
   vllm-router-kv_aware       vllm-router --policy kv_aware, subscribed to the workers' ZMQ
                              events (--kv-event-source / --kv-event-replay-source)
+  oracle                     no router: each request goes straight to the worker the ideal
+                             places its group on (router.bench.ideal), measured
   kvroute-replicas           two kvroute serve processes, each consuming every worker's
                              events; the client alternates between them per request
 """
@@ -38,6 +40,7 @@ class Target:
     launch: Launch
     events: bool = True  # the fleet publishes KV events
     peer: str | None = None  # the peer binary it needs, if any
+    oracle: bool = False  # no router: the driver sends each request to its ideal worker
 
 
 def _urls(workers: list[dict[str, Any]]) -> list[str]:
@@ -103,6 +106,16 @@ TARGETS: dict[str, Target] = {
     ),
 }
 REPLICAS = Target(_kvroute(replicas=2))
+
+
+@contextlib.contextmanager
+def _direct(workers: list[dict[str, Any]], seed: int) -> Iterator[list[str]]:
+    yield _urls(workers)
+
+
+# Not a router: the ideal's placement measured on the same engines (perfect affinity).
+ORACLE = Target(_direct, oracle=True)
+TARGETS["oracle"] = ORACLE
 
 
 def with_config(config: Path | None) -> dict[str, Target]:

@@ -59,6 +59,7 @@ class Workload:
     block_size: int = BLOCK_SIZE
     replicas: dict[str, int] = field(default_factory=dict)  # group -> workers in the ideal
     vllm_dataset: tuple[str, ...] = ()  # the same workload as `vllm bench serve` flags
+    seed: int = 0  # the run seed the order came from
 
     @property
     def requests(self) -> list[Request]:
@@ -209,4 +210,6 @@ GENERATORS: dict[str, Callable[[Texts, int, float], Workload]] = {
 def build(name: str, run_seed: int, scale: float = 1.0) -> Workload:
     """The named workload; the same texts for every run seed, only their order differs."""
     texts = Texts(LocalTokenizer(PACKAGED_TOKENIZER), random.Random(f"{name}/texts"))
-    return GENERATORS[name](texts, run_seed, scale)
+    w = GENERATORS[name](texts, run_seed, scale)
+    w.seed = run_seed
+    return w
