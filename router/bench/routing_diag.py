@@ -32,6 +32,7 @@ from router.bench.targets import with_config
 from router.bench.workloads import Request, Workload, build
 
 DECISIONS: list[tuple[Request, dict[str, Any], Sample]] = []
+BELIEF: collections.Counter[str] = collections.Counter()
 
 
 def main() -> None:
@@ -83,11 +84,31 @@ def diagnose(w: Workload, target: Any, seed: int) -> float:
 def _explained(one: Any) -> Any:
     async def wrapped(client: httpx.AsyncClient, url: str, r: Request) -> Sample:
         doc = (await client.post(f"{url}/debug/route", json={"prompt": r.prompt})).json()
+        await _compare_belief(client, doc, r.prompt)
         sample: Sample = await one(client, url, r)
         DECISIONS.append((r, doc, sample))
         return sample
 
     return wrapped
+
+
+async def _compare_belief(client: httpx.AsyncClient, doc: dict[str, Any], prompt: str) -> None:
+    """The router's overlap per worker against the engine's ground truth, at decision time."""
+    for x in doc["workers"]:
+        truth = await client.post(
+            f"http://{x['worker']}/sim/cached_tokens", json={"prompt": prompt}
+        )
+        held = truth.json()["cached_blocks"]
+        believed = x["overlap_blocks"]
+        if believed == held:
+            BELIEF["exact"] += 1
+        elif believed > held:
+            BELIEF["router over (engine evicted, index still shows)"] += 1
+            BELIEF["over blocks"] += believed - held
+        else:
+            BELIEF["router under (engine holds, index does not show)"] += 1
+            BELIEF["under blocks"] += held - believed
+            BELIEF["under while router saw 0" if believed == 0 else "under, partial"] += 1
 
 
 def explain_splits(decisions: list[tuple[Request, dict[str, Any], Sample]]) -> None:
@@ -108,6 +129,8 @@ def explain_splits(decisions: list[tuple[Request, dict[str, Any], Sample]]) -> N
             print(f"  split {r.group}: home {first} -> {worker}, cached {sample.cached_tokens}")
             print("    " + doc["explain"].replace("\n", "\n    "))
     print(f"  why requests left their group's first worker: {dict(why)}")
+    print(f"  router belief vs engine truth (per worker x request): {dict(BELIEF)}")
+    BELIEF.clear()
 
 
 def _reason(home: dict[str, Any], chosen: dict[str, Any]) -> str:
