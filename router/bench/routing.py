@@ -13,13 +13,15 @@ the request order, the simulator and the random policy. The capacity-aware ideal
 JSON: {"workloads": {NAME: {"ideal": F, "routers": {ROUTER: ROW}}},
        "replicas": {NAME: {"one": ROW, "two": ROW}}}
 ROW: {"cached_fraction", "ttft_ms": {"p50", "p90", "p99", "mean"}, "itl_ms_p90",
-      "requests_per_worker": [...], "max_min_load", "errors", "runs", "cached_fraction_runs"}
+      "requests_per_worker": [...], "max_min_load", "errors", "runs", "cached_fraction_runs",
+      "router_cpu_s" (CPU seconds the router processes used during the drive)}
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -136,8 +138,26 @@ def one_run(w: Workload, target: Target, seed: int, drive_fn: Drive) -> dict[str
     with start_fleet_process(w.workers, args) as fleet:
         workers = fleet.workers
         with target.launch(workers, seed) as urls:
+            before = children_cpu_s(exclude=fleet.pid)
             row = drive_fn(w, urls, workers, target.oracle)
+            row["router_cpu_s"] = children_cpu_s(exclude=fleet.pid) - before
     return row
+
+
+def children_cpu_s(exclude: int) -> float:
+    """CPU seconds (user + system) of this process's children but `exclude`: the router(s)
+    under test. Linux /proc; 0 elsewhere."""
+    me, total = os.getpid(), 0.0
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(stat.parent.name)
+        if int(fields[1]) == me and pid != exclude:
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
 
 
 def _drive_own(
@@ -228,6 +248,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             statistics.median(r["requests_per_worker"][i] for r in rows) for i in range(n_workers)
         ],
         "max_min_load": med(lambda r: r["max_min_load"], 2),
+        "router_cpu_s": med(lambda r: r.get("router_cpu_s", 0.0)),
         "errors": sum(r["errors"] for r in rows),
         "runs": len(rows),
         "cached_fraction_runs": [round(r["cached_fraction"], 4) for r in rows],
@@ -237,7 +258,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def print_table(report: dict[str, Any]) -> None:
     head = (
         f"{'router':<27} {'cached':>7} {'TTFT p50':>9} {'p90':>7} {'p99':>7} {'mean':>7} "
-        f"{'ITL p90':>8} {'max/min':>7} {'err':>4}"
+        f"{'ITL p90':>8} {'max/min':>7} {'err':>4} {'CPU s':>6}"
     )
     for name, wl in report["workloads"].items():
         print(f"\n{name} (ideal {wl['ideal']:.3f})\n{head}")
@@ -256,7 +277,7 @@ def _line(router: str, row: dict[str, Any]) -> str:
     return (
         f"{router:<27} {row['cached_fraction']:>7.3f} {t['p50']:>9.1f} {t['p90']:>7.1f} "
         f"{t['p99']:>7.1f} {t['mean']:>7.1f} {row['itl_ms_p90']:>8.1f} "
-        f"{row['max_min_load']:>7.2f} {row['errors']:>4}"
+        f"{row['max_min_load']:>7.2f} {row['errors']:>4} {row.get('router_cpu_s', 0):>6.1f}"
     )
 
 
