@@ -133,4 +133,6 @@ WANTED = (
     "vllm:request_success_total",
     "vllm:prefix_cache_queries_total",
     "vllm:prefix_cache_hits_total",
+    "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count",
 )

@@ -14,7 +14,8 @@ JSON: {"workloads": {NAME: {"ideal": F, "routers": {ROUTER: ROW}}},
        "replicas": {NAME: {"one": ROW, "two": ROW}}}
 ROW: {"cached_fraction", "ttft_ms": {"p50", "p90", "p99", "mean"}, "itl_ms_p90",
       "requests_per_worker": [...], "max_min_load", "errors", "runs", "cached_fraction_runs",
-      "router_cpu_s" (CPU seconds the router processes used during the drive)}
+      "router_cpu_s" (CPU seconds the router processes used during the drive),
+      "engine_ttft_ms_mean" (the engines' own TTFT: what the client saw less the router)}
 """
 
 from __future__ import annotations
@@ -216,10 +217,17 @@ def run_row(result: DriveResult) -> dict[str, Any]:
 
 
 def _per_worker(workers: list[dict[str, Any]]) -> dict[str, Any]:
-    counts = [
-        int(engine_counters(str(w["url"])).get("vllm:request_success_total", 0)) for w in workers
-    ]
-    return {"requests_per_worker": counts, "max_min_load": max(counts) / max(min(counts), 1)}
+    """Requests per engine, and the engines' own mean TTFT (arrival at the engine to first
+    token): the client's TTFT minus this is what the router and the network added."""
+    c = [engine_counters(str(w["url"])) for w in workers]
+    counts = [int(x.get("vllm:request_success_total", 0)) for x in c]
+    ttft_s = sum(x.get("vllm:time_to_first_token_seconds_sum", 0.0) for x in c)
+    n = sum(x.get("vllm:time_to_first_token_seconds_count", 0.0) for x in c)
+    return {
+        "requests_per_worker": counts,
+        "max_min_load": max(counts) / max(min(counts), 1),
+        "engine_ttft_ms_mean": 1000 * ttft_s / max(n, 1),
+    }
 
 
 def pct(sorted_values: list[float], q: float) -> float:
@@ -249,6 +257,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         ],
         "max_min_load": med(lambda r: r["max_min_load"], 2),
         "router_cpu_s": med(lambda r: r.get("router_cpu_s", 0.0)),
+        "engine_ttft_ms_mean": med(lambda r: r.get("engine_ttft_ms_mean", 0.0)),
         "errors": sum(r["errors"] for r in rows),
         "runs": len(rows),
         "cached_fraction_runs": [round(r["cached_fraction"], 4) for r in rows],
@@ -258,7 +267,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def print_table(report: dict[str, Any]) -> None:
     head = (
         f"{'router':<27} {'cached':>7} {'TTFT p50':>9} {'p90':>7} {'p99':>7} {'mean':>7} "
-        f"{'ITL p90':>8} {'max/min':>7} {'err':>4} {'CPU s':>6}"
+        f"{'ITL p90':>8} {'max/min':>7} {'err':>4} {'CPU s':>6} {'eng TTFT':>8}"
     )
     for name, wl in report["workloads"].items():
         print(f"\n{name} (ideal {wl['ideal']:.3f})\n{head}")
@@ -277,7 +286,8 @@ def _line(router: str, row: dict[str, Any]) -> str:
     return (
         f"{router:<27} {row['cached_fraction']:>7.3f} {t['p50']:>9.1f} {t['p90']:>7.1f} "
         f"{t['p99']:>7.1f} {t['mean']:>7.1f} {row['itl_ms_p90']:>8.1f} "
-        f"{row['max_min_load']:>7.2f} {row['errors']:>4} {row.get('router_cpu_s', 0):>6.1f}"
+        f"{row['max_min_load']:>7.2f} {row['errors']:>4} {row.get('router_cpu_s', 0):>6.1f} "
+        f"{row.get('engine_ttft_ms_mean', 0):>8.1f}"
     )
 
 
