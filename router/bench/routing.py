@@ -35,7 +35,7 @@ from engines.sim.fleet import start_fleet_process
 from router.bench import peers
 from router.bench.driver import DriveResult, drive, engine_counters
 from router.bench.ideal import ideal_fraction, oracle_route
-from router.bench.targets import REPLICAS, TARGETS, Target, with_config
+from router.bench.targets import TARGETS, Target, replicas_target, with_config
 from router.bench.workloads import GENERATORS, Workload, build
 
 DEFAULT_WORKLOADS = ("seed", "vllm-prefix-repetition", "sibling-burst")
@@ -45,7 +45,6 @@ DEFAULT_ROUTERS = (
     "sglang-router-cache_aware",
     "vllm-router-cache_aware",
 )
-DEFAULT_REPLICAS = ("vllm-prefix-repetition",)
 Drive = Callable[[Workload, list[str], list[dict[str, Any]], bool], dict[str, Any]]
 
 
@@ -99,9 +98,20 @@ def _workload(
         t = targets[router]
         if t.peer is not None and installed.get(t.peer) is None:
             routers[router] = {"skipped": f"{t.peer} not installed"}
-            continue
-        routers[router] = measure(plan, loads, router, t)
+        elif t.oracle and plan.driver == "vllm":
+            routers[router] = {"skipped": "the oracle needs the bench's own driver"}
+        else:
+            routers[router] = _measure_or_fail(plan, loads, router, t)
     return {"ideal": round(ideal, 4), "routers": routers}
+
+
+def _measure_or_fail(plan: Plan, loads: list[Workload], router: str, t: Target) -> dict[str, Any]:
+    """A router that fails to start or dies is a row that says so, not a lost table."""
+    try:
+        return measure(plan, loads, router, t)
+    except (RuntimeError, OSError, KeyError) as exc:
+        print(f"  {router}: failed: {exc}", file=sys.stderr)
+        return {"skipped": f"failed: {str(exc)[:300]}"}
 
 
 def _replicas(
@@ -111,7 +121,8 @@ def _replicas(
     done = report["workloads"].get(name, {}).get("routers", {}).get("kvroute")
     if not done or "skipped" in done:
         done = measure(plan, loads, "kvroute", targets["kvroute"])
-    return {"one": done, "two": measure(plan, loads, "kvroute-replicas", REPLICAS)}
+    two = _measure_or_fail(plan, loads, "kvroute-replicas", replicas_target(plan.config))
+    return {"one": done, "two": two}
 
 
 def measure(plan: Plan, loads: list[Workload], router: str, target: Target) -> dict[str, Any]:
@@ -277,6 +288,8 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"\nreplicas: {name}\n{head}")
         for label, row in pair.items():
             print(_line(f"kvroute x {label}", row))
+    if report["replicas"]:
+        print("(two: the client alternates between two kvroute replicas, each on every event)")
 
 
 def _line(router: str, row: dict[str, Any]) -> str:

@@ -105,7 +105,11 @@ TARGETS: dict[str, Target] = {
         _peer("vllm-router", "kv_aware", kv_events=True), peer="vllm-router"
     ),
 }
-REPLICAS = Target(_kvroute(replicas=2))
+
+
+def replicas_target(config: Path | None = None) -> Target:
+    """Two kvroute replicas (the client alternates), with the same config as `kvroute`."""
+    return Target(_kvroute(replicas=2, extra=["--config", str(config)] if config else []))
 
 
 @contextlib.contextmanager
