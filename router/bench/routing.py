@@ -15,7 +15,8 @@ JSON: {"workloads": {NAME: {"ideal": F, "routers": {ROUTER: ROW}}},
 ROW: {"cached_fraction", "ttft_ms": {"p50", "p90", "p99", "mean"}, "itl_ms_p90",
       "requests_per_worker": [...], "max_min_load", "errors", "runs", "cached_fraction_runs",
       "router_cpu_s" (CPU seconds the router processes used during the drive),
-      "engine_ttft_ms_mean" (the engines' own TTFT: what the client saw less the router)}
+      "engine_ttft_ms_mean" (the engines' own TTFT: what the client saw less the router),
+      "router_ejections" (kvroute: workers ejected on failed health checks, all runs)}
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from engines.sim.fleet import start_fleet_process
 from router.bench import peers
 from router.bench.driver import DriveResult, drive, engine_counters
 from router.bench.ideal import ideal_fraction, oracle_route
-from router.bench.targets import TARGETS, Target, replicas_target, with_config
+from router.bench.targets import TARGETS, Target, Urls, replicas_target, with_config
 from router.bench.workloads import GENERATORS, Workload, build
 
 DEFAULT_WORKLOADS = ("seed", "vllm-prefix-repetition", "sibling-burst")
@@ -153,6 +154,8 @@ def one_run(w: Workload, target: Target, seed: int, drive_fn: Drive) -> dict[str
             before = children_cpu_s(exclude=fleet.pid)
             row = drive_fn(w, urls, workers, target.oracle)
             row["router_cpu_s"] = children_cpu_s(exclude=fleet.pid) - before
+            if isinstance(urls, Urls):
+                row["router_ejections"] = urls.ejections()
     return row
 
 
@@ -269,6 +272,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "max_min_load": med(lambda r: r["max_min_load"], 2),
         "router_cpu_s": med(lambda r: r.get("router_cpu_s", 0.0)),
         "engine_ttft_ms_mean": med(lambda r: r.get("engine_ttft_ms_mean", 0.0)),
+        "router_ejections": sum(r.get("router_ejections", 0) for r in rows),
         "errors": sum(r["errors"] for r in rows),
         "runs": len(rows),
         "cached_fraction_runs": [round(r["cached_fraction"], 4) for r in rows],
@@ -278,7 +282,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def print_table(report: dict[str, Any]) -> None:
     head = (
         f"{'router':<27} {'cached':>7} {'TTFT p50':>9} {'p90':>7} {'p99':>7} {'mean':>7} "
-        f"{'ITL p90':>8} {'max/min':>7} {'err':>4} {'CPU s':>6} {'eng TTFT':>8}"
+        f"{'ITL p90':>8} {'max/min':>7} {'err':>4} {'CPU s':>6} {'eng TTFT':>8} {'ej':>3}"
     )
     for name, wl in report["workloads"].items():
         print(f"\n{name} (ideal {wl['ideal']:.3f})\n{head}")
@@ -300,7 +304,7 @@ def _line(router: str, row: dict[str, Any]) -> str:
         f"{router:<27} {row['cached_fraction']:>7.3f} {t['p50']:>9.1f} {t['p90']:>7.1f} "
         f"{t['p99']:>7.1f} {t['mean']:>7.1f} {row['itl_ms_p90']:>8.1f} "
         f"{row['max_min_load']:>7.2f} {row['errors']:>4} {row.get('router_cpu_s', 0):>6.1f} "
-        f"{row.get('engine_ttft_ms_mean', 0):>8.1f}"
+        f"{row.get('engine_ttft_ms_mean', 0):>8.1f} {row.get('router_ejections', 0):>3}"
     )
 
 

@@ -31,6 +31,19 @@ from router.bench import peers
 from router.procs import RouterProcess, free_port
 from router.tokenize import PACKAGED_TOKENIZER
 
+
+class Urls(list[str]):
+    """The URLs a client alternates over, and the router logs behind them (kvroute's)."""
+
+    logs: list[Path]
+
+    def ejections(self) -> int:
+        """Workers kvroute ejected on failed health checks during the run: on a loaded
+        machine a false ejection also clears that worker's index when it comes back."""
+        logs = getattr(self, "logs", [])
+        return sum(p.read_text(errors="replace").count(" ejected: ") for p in logs)
+
+
 Launch = Callable[[list[dict[str, Any]], int], AbstractContextManager[list[str]]]
 MODEL = "kvroute-sim"
 
@@ -51,7 +64,8 @@ def _kvroute(policy: str = "kv", replicas: int = 1, extra: Sequence[str] = ()) -
     @contextlib.contextmanager
     def launch(workers: list[dict[str, Any]], seed: int) -> Iterator[list[str]]:
         with contextlib.ExitStack() as stack:
-            urls = []
+            urls = Urls()
+            urls.logs = []
             for _ in range(replicas):
                 args = ["--seed", str(seed), *extra]
                 router = RouterProcess(
@@ -59,6 +73,7 @@ def _kvroute(policy: str = "kv", replicas: int = 1, extra: Sequence[str] = ()) -
                 )
                 stack.enter_context(router)
                 urls.append(router.url)
+                urls.logs.append(router.log_path)
             yield urls
 
     return launch
