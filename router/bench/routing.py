@@ -82,8 +82,10 @@ def run(plan: Plan, json_path: Path | None = None, plot_path: Path | None = None
     report["driver"] = plan.driver
     for name in plan.workloads:
         report["workloads"][name] = _workload(plan, name, targets, installed)
+        _write(report, json_path, None, quiet=True)  # a long run keeps what it measured
     for name in plan.replicas:
         report["replicas"][name] = _replicas(plan, name, report, targets)
+        _write(report, json_path, None, quiet=True)
     print_table(report)
     _write(report, json_path, plot_path)
     return report
@@ -324,10 +326,13 @@ def plot(report: dict[str, Any]) -> str:
     )
 
 
-def _write(report: dict[str, Any], json_path: Path | None, plot_path: Path | None) -> None:
+def _write(
+    report: dict[str, Any], json_path: Path | None, plot_path: Path | None, quiet: bool = False
+) -> None:
     if json_path is not None:
         json_path.write_text(json.dumps(report, indent=2))
-        print(f"wrote {json_path}")
+        if not quiet:
+            print(f"wrote {json_path}")
     if plot_path is not None:
         plot_path.write_text(plot(report))
         print(f"wrote {plot_path}")
