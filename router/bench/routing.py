@@ -67,7 +67,11 @@ def plan_for(
     full: bool,
     **kw: Any,
 ) -> Plan:
-    """The default subset finishes in ~15 minutes on 2 cores; `full` runs everything."""
+    """The default subset finishes in ~15 minutes on 2 cores; `full` runs everything.
+    vLLM's client has one dataset: `--driver vllm` runs vllm-prefix-repetition only."""
+    if kw.get("driver") == "vllm":
+        chosen = routers or (tuple(TARGETS) if full else DEFAULT_ROUTERS)
+        return Plan(workloads or ("vllm-prefix-repetition",), chosen, (), **kw)
     if full:
         all_w = tuple(GENERATORS)
         return Plan(workloads or all_w, routers or tuple(TARGETS), workloads or all_w, **kw)
