@@ -150,7 +150,7 @@ def measure(plan: Plan, loads: list[Workload], router: str, target: Target) -> d
 
 def one_run(w: Workload, target: Target, seed: int, drive_fn: Drive) -> dict[str, Any]:
     args = ["--block-size", str(w.block_size), "--kv-blocks", str(w.kv_blocks)]
-    args += ["--output-len", "512:512", "--seed", str(seed)]
+    args += ["--output-len", "512:512", "--seed", str(seed), *w.sim_args]
     if not target.events:
         for i in range(w.workers):
             args += ["--no-events-on", str(i)]

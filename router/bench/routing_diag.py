@@ -61,7 +61,7 @@ def main() -> None:
 
 def diagnose(w: Workload, target: Any, seed: int) -> float:
     fleet_args = ["--block-size", str(w.block_size), "--kv-blocks", str(w.kv_blocks)]
-    fleet_args += ["--output-len", "512:512", "--seed", str(seed)]
+    fleet_args += ["--output-len", "512:512", "--seed", str(seed), *w.sim_args]
     if not target.events:
         for i in range(w.workers):
             fleet_args += ["--no-events-on", str(i)]

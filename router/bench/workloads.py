@@ -60,6 +60,7 @@ class Workload:
     replicas: dict[str, int] = field(default_factory=dict)  # group -> workers in the ideal
     vllm_dataset: tuple[str, ...] = ()  # the same workload as `vllm bench serve` flags
     seed: int = 0  # the run seed the order came from
+    sim_args: tuple[str, ...] = ()  # extra `kvroute fleet` flags this workload needs
 
     @property
     def requests(self) -> list[Request]:
@@ -172,7 +173,9 @@ def long_short_mix(t: Texts, run_seed: int, scale: float = 1.0) -> Workload:
         ]
         for k in range(shorts)
     ]
-    return Workload("long-short-mix", 4, _n(926, scale, 8), 16, [_shuffled(chains, run_seed)])
+    w = Workload("long-short-mix", 4, _n(926, scale, 8), 16, [_shuffled(chains, run_seed)])
+    w.sim_args = ("--max-model-len", "8192")  # the packaged tokenizer says 4,096
+    return w
 
 
 def vllm_prefix_repetition(t: Texts, run_seed: int, scale: float = 1.0) -> Workload:
