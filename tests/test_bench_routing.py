@@ -11,6 +11,7 @@ import pytest
 
 from router.bench import ideal, routing, workloads
 from router.bench.vllm_driver import command, row_from_result
+from router.tokenize import PACKAGED_TOKENIZER, LocalTokenizer
 
 ROW_KEYS = {"cached_fraction", "ttft_ms", "itl_ms_p90", "requests_per_worker", "errors", "runs"}
 
@@ -108,3 +109,13 @@ def test_vllm_result_becomes_a_row() -> None:
     row = row_from_result(doc)
     assert row["ttft_ms"] == {"p50": 1.0, "p90": 2.0, "p99": 3.0, "mean": 1.5}
     assert row["errors"] == 1
+
+
+@pytest.mark.parametrize("name", list(workloads.GENERATORS))
+def test_every_prompt_fits_the_fleet_it_runs_on(name: str) -> None:
+    w = workloads.build(name, run_seed=0)
+    flags = dict(zip(w.sim_args[::2], w.sim_args[1::2], strict=True))
+    limit = min(int(flags.get("--max-model-len", 4096)), (w.kv_blocks - 1) * w.block_size)
+    tok = LocalTokenizer(PACKAGED_TOKENIZER)
+    longest = max(len(tok.completion(r.prompt)) + r.max_tokens for r in w.requests)
+    assert longest <= limit, f"{name}: a prompt of {longest} tokens on a {limit}-token fleet"
