@@ -28,7 +28,7 @@ from engines.sim.fleet import start_fleet_process
 from router.bench import driver
 from router.bench.driver import DriveResult, Sample, drive
 from router.bench.ideal import ideal_fraction
-from router.bench.targets import with_config
+from router.bench.targets import replicas_target, with_config
 from router.bench.workloads import Request, Workload, build
 
 DECISIONS: list[tuple[Request, dict[str, Any], Sample]] = []
@@ -51,7 +51,10 @@ def main() -> None:
     args = p.parse_args()
     if args.explain:
         driver.one = _explained(driver.one)
-    target = with_config(args.config)[args.router]
+    if args.router == "kvroute-replicas":
+        target = replicas_target(args.config)
+    else:
+        target = with_config(args.config)[args.router]
     fractions = []
     for seed in range(args.runs):
         w = build(args.workload, seed, args.scale)
