@@ -1,13 +1,14 @@
-"""`kvroute bench index|proxy`: benchmarks that print ratios against the named peers."""
+"""`kvroute bench index|proxy|routing`: benchmarks that print ratios against the named peers."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("bench", help="benchmarks: index, proxy, extproc")
+    p = sub.add_parser("bench", help="benchmarks: index, proxy, extproc, routing")
     bsub = p.add_subparsers(dest="bench_command", metavar="WHICH", required=True)
     ix = bsub.add_parser(
         "index",
@@ -30,6 +31,45 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     px.add_argument("--only", nargs="+", help="targets to run: kvroute sglang-router vllm-router")
     px.set_defaults(func=_proxy)
     _register_extproc(bsub)
+    _register_routing(bsub)
+
+
+def _register_routing(bsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from router.bench.targets import TARGETS
+    from router.bench.workloads import GENERATORS
+
+    rt = bsub.add_parser(
+        "routing",
+        help="routing quality (engine-reported cached-token fraction, TTFT, ITL, load "
+        "spread) of kvroute, the baselines and the peer routers on a simulated fleet",
+        description="Each run starts a fresh simulated fleet and one router, drives a "
+        "workload and reads the engines. Default: the seed, vllm-prefix-repetition and "
+        "sibling-burst workloads through kvroute, round_robin and the peers' cache_aware "
+        "(~15 minutes on 2 cores); --full: every workload, router and the two-replica rows. "
+        "Peers missing from the bench venv are pip-installed there first.",
+    )
+    rt.add_argument("--json", type=Path, help="write the results here as JSON")
+    rt.add_argument("--plot", type=Path, help="write a bar chart here (SVG)")
+    rt.add_argument("--workload", nargs="+", choices=list(GENERATORS), help="workloads to run")
+    rt.add_argument("--routers", nargs="+", choices=list(TARGETS), help="routers to compare")
+    rt.add_argument("--full", action="store_true", help="every workload and router, replicas")
+    rt.add_argument("--runs", type=int, default=3, help="runs per cell; medians (default 3)")
+    rt.add_argument(
+        "--replicas",
+        nargs="*",
+        choices=list(GENERATORS),
+        help="workloads to run through two kvroute replicas too (default: none; --full: all)",
+    )
+    rt.add_argument(
+        "--driver",
+        choices=("own", "vllm"),
+        default="own",
+        help="the bench's client, or vLLM's `vllm bench serve` (vllm-prefix-repetition only)",
+    )
+    rt.add_argument("--scale", type=float, default=1.0, help="shrink the workloads (tests)")
+    rt.add_argument("--config", type=Path, help="kvroute.yaml for kvroute's own routers")
+    rt.add_argument("--no-install", action="store_true", help="never pip-install the peers")
+    rt.set_defaults(func=_routing)
 
 
 def _index(args: argparse.Namespace) -> int:
@@ -76,4 +116,25 @@ def _extproc(args: argparse.Namespace) -> int:
             import json
 
             args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def _routing(args: argparse.Namespace) -> int:
+    from router.bench.routing import plan_for, run
+
+    if args.runs < 1:
+        raise SystemExit("--runs must be >= 1")
+    plan = plan_for(
+        args.workload,
+        args.routers,
+        args.full,
+        runs=args.runs,
+        scale=args.scale,
+        driver=args.driver,
+        config=args.config,
+        install_peers=not args.no_install,
+    )
+    if args.replicas is not None:
+        plan = replace(plan, replicas=tuple(args.replicas))
+    run(plan, args.json, args.plot)
     return 0

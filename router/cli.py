@@ -20,7 +20,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("engines.sim.cli", "run one simulated vLLM worker"),
     "fleet": ("engines.sim.fleet", "run N simulated vLLM workers on free loopback ports"),
     "demo": ("router.demo", "run the seeds' experiment on a simulated fleet"),
-    "bench": ("router.bench_cli", "benchmarks: index, proxy, extproc"),
+    "bench": ("router.bench_cli", "benchmarks: index, proxy, extproc, routing, pd"),
     "envoy-config": ("router.envoy.cli", "print an Envoy bootstrap for the ext_proc picker"),
 }
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
 import re
 import shutil
@@ -20,14 +19,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
+from router.bench.peers import child, peer_bin, sglang_command, vllm_router_command
 from router.procs import RouterProcess, free_port
 from router.svgplot import bar_chart
 from router.textgen import filler
@@ -105,73 +102,22 @@ def kvroute_target(workers: list[str]) -> Iterator[str]:
         yield router.url
 
 
-@contextlib.contextmanager
-def _child(cmd: list[str], url: str, ready_path: str, timeout: float = 60) -> Iterator[str]:
-    log_path = Path(tempfile.mkdtemp(prefix="kvroute-peer-")) / "peer.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{cmd[0]} exited: {log_path.read_text()[-1500:]}")
-            try:
-                if httpx.get(url + ready_path, timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{cmd[0]} not ready in {timeout} s")
-            time.sleep(0.2)
-        yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-PEERS_VENV = Path(os.environ.get("KVROUTE_PEERS_VENV", Path.home() / ".cache/kvroute/peers-venv"))
-
-
-def _peer_bin(name: str) -> str | None:
-    for folder in (PEERS_VENV / "bin", Path(sys.executable).parent):
-        candidate = folder / name
-        if candidate.exists():
-            return str(candidate)
-    return shutil.which(name)
-
-
 def sglang_target(workers: list[str]) -> Any | None:
-    binary = _peer_bin("sglang-router")
+    binary = peer_bin("sglang-router")
     if binary is None:
         return None
     port = free_port()
-    cmd = [binary, "launch", *_peer_args(port, workers), "--log-level", "warn"]
-    return _child(cmd, f"http://127.0.0.1:{port}", "/readiness")
+    cmd = sglang_command(binary, port, workers, "cache_aware")
+    return child(cmd, f"http://127.0.0.1:{port}", "/readiness")
 
 
 def vllm_router_target(workers: list[str]) -> Any | None:
-    binary = _peer_bin("vllm-router")
+    binary = peer_bin("vllm-router")
     if binary is None:
         return None
     port = free_port()
-    cmd = [binary, *_peer_args(port, workers), "--log-level", "warning"]
-    return _child(cmd, f"http://127.0.0.1:{port}", "/readiness")
-
-
-def _peer_args(port: int, workers: list[str]) -> list[str]:
-    """Both peers: cache_aware, on loopback, periodic health checks out of the benchmark's
-    way, their Prometheus endpoint (neither can turn it off) on loopback too."""
-    return [
-        "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
-        "--policy", "cache_aware", "--health-check-interval-secs", "3600",
-        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-        "--worker-startup-check-interval", "1",
-    ]  # fmt: skip
+    cmd = vllm_router_command(binary, port, workers, "cache_aware")
+    return child(cmd, f"http://127.0.0.1:{port}", "/readiness")
 
 
 TARGETS: dict[str, Callable[[list[str]], Any]] = {

@@ -1,0 +1,138 @@
+"""The routing bench's own client: drives a workload's waves of chains through one or more
+router URLs (alternating per request, the round-robin load balancer in front of replicas)
+with streaming completions, and keeps what the engine reported per request.
+
+Measured per request: time to the first content chunk (TTFT), the gaps between content
+chunks (inter-token latency), and the engine's `usage.prompt_tokens_details.cached_tokens`
+and `prompt_tokens` from the final usage chunk; a non-200 answer or a broken stream is an
+error. Which worker served a request is counted on the engines (`/metrics`), not here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from router.bench.workloads import Chain, Request, Workload
+
+MODEL = "kvroute-sim"
+
+
+@dataclass
+class Sample:
+    ttft_ms: float
+    gaps_ms: list[float]
+    cached_tokens: int
+    prompt_tokens: int
+    group: str = ""
+    worker: str | None = None  # kvroute's x-kvroute-worker header; peers name none
+
+
+@dataclass
+class DriveResult:
+    samples: list[Sample] = field(default_factory=list)
+    errors: int = 0
+    error_texts: list[str] = field(default_factory=list)
+
+
+async def drive(
+    w: Workload,
+    urls: list[str],
+    timeout: float = 120.0,
+    route: Callable[[Request], str] | None = None,
+) -> DriveResult:
+    """Run every wave to completion, one after the other. Requests alternate over `urls`,
+    unless `route` names the URL of each (the oracle placement, straight to the workers)."""
+    result = DriveResult()
+    cycle = itertools.cycle(urls)
+    pick = route or (lambda _: next(cycle))
+    limits = httpx.Limits(max_connections=w.concurrency * 2 + 4)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        for wave in w.waves:
+            slots = asyncio.Semaphore(w.concurrency)
+            await asyncio.gather(*(_chain(client, pick, c, slots, result) for c in wave))
+    return result
+
+
+async def _chain(
+    client: httpx.AsyncClient,
+    pick: Callable[[Request], str],
+    chain: Chain,
+    slots: asyncio.Semaphore,
+    result: DriveResult,
+) -> None:
+    async with slots:
+        for r in chain:
+            try:
+                result.samples.append(await one(client, pick(r), r))
+            except (httpx.HTTPError, RuntimeError, ValueError) as exc:
+                result.errors += 1
+                if len(result.error_texts) < 5:
+                    result.error_texts.append(f"{type(exc).__name__}: {exc}"[:300])
+
+
+async def one(client: httpx.AsyncClient, url: str, r: Request) -> Sample:
+    body = {
+        "model": MODEL,
+        "prompt": r.prompt,
+        "max_tokens": r.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    usage: dict[str, Any] = {}
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}")
+        worker = resp.headers.get("x-kvroute-worker")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            doc = json.loads(line[6:])
+            if doc.get("choices"):
+                stamps.append(time.perf_counter())
+            if doc.get("usage"):
+                usage = doc["usage"]
+    if not stamps or not usage:
+        raise RuntimeError("stream ended without tokens or usage")
+    details = usage.get("prompt_tokens_details") or {}
+    return Sample(
+        ttft_ms=(stamps[0] - t0) * 1000,
+        gaps_ms=[(b - a) * 1000 for a, b in itertools.pairwise(stamps)],
+        cached_tokens=int(details.get("cached_tokens") or 0),
+        prompt_tokens=int(usage.get("prompt_tokens", 0)),
+        group=r.group,
+        worker=worker,
+    )
+
+
+_METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
+
+
+def engine_counters(worker_url: str) -> dict[str, float]:
+    """Totals from one engine's /metrics: requests finished, prefix-cache queries and hits
+    (tokens). Summed over label sets."""
+    text = httpx.get(f"{worker_url}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for name, value in _METRIC.findall(text):
+        if name in WANTED:
+            out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+WANTED = (
+    "vllm:request_success_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count",
+)

@@ -1,0 +1,106 @@
+"""The capacity-aware ideal of a workload: the cached-token fraction a router with perfect
+affinity would get from engines with these caches.
+
+Placement: each group (shared prefix, conversation) lives on one worker, groups spread so
+every worker gets about the same prompt tokens (largest first); a group the workload marks
+for `replicas` workers alternates over that many. Caches: per worker an LRU of
+`kv_blocks - 1` blocks (vLLM's null block excluded), keyed by the real chained token blocks;
+a request hits its leading blocks present (capped below its last token, as vLLM serves),
+then touches its blocks tail first so the head is the last to go, as vLLM frees them.
+Requests are replayed in the order the driver starts them, `concurrency` chains
+interleaved turn by turn. Blocks held by running requests and generated tokens are left out,
+so this is an upper bound.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+from router.bench.workloads import Request, Workload
+from router.tokenize import PACKAGED_TOKENIZER, LocalTokenizer
+
+
+def ideal_fraction(w: Workload, tok: LocalTokenizer | None = None) -> float:
+    tok = tok or LocalTokenizer(PACKAGED_TOKENIZER)
+    order = replay_order(w)
+    ids = {r.prompt: tok.completion(r.prompt) for r in order}
+    place = placement(w, {r.prompt: len(ids[r.prompt]) for r in order}, order)
+    caches = [Lru(w.kv_blocks - 1) for _ in range(w.workers)]
+    cached = prompt = 0
+    for i, r in enumerate(order):
+        tokens = ids[r.prompt]
+        blocks = chained_blocks(tokens, w.block_size)
+        hit = caches[place[i]].touch(blocks)
+        cached += min(hit * w.block_size, (len(tokens) - 1) // w.block_size * w.block_size)
+        prompt += len(tokens)
+    return cached / max(prompt, 1)
+
+
+def oracle_route(w: Workload, tok: LocalTokenizer | None = None) -> Callable[[Request], int]:
+    """The ideal's placement as a router: request -> worker index (the `oracle` row sends
+    each request straight to that worker)."""
+    tok = tok or LocalTokenizer(PACKAGED_TOKENIZER)
+    order = replay_order(w)
+    place = placement(w, {r.prompt: len(tok.completion(r.prompt)) for r in order}, order)
+    by_prompt = {r.prompt: place[i] for i, r in enumerate(order)}
+    return lambda r: by_prompt[r.prompt]
+
+
+def replay_order(w: Workload) -> list[Request]:
+    out: list[Request] = []
+    for wave in w.waves:
+        for start in range(0, len(wave), w.concurrency):
+            batch = wave[start : start + w.concurrency]
+            for turn in range(max(len(c) for c in batch)):
+                out += [c[turn] for c in batch if turn < len(c)]
+    return out
+
+
+def placement(w: Workload, lengths: dict[str, int], order: Sequence[Request]) -> list[int]:
+    """Worker index per request in `order`: groups largest first onto the least loaded."""
+    weight: dict[str, int] = {}
+    for r in order:
+        weight[r.group] = weight.get(r.group, 0) + lengths[r.prompt]
+    load = [0.0] * w.workers
+    homes: dict[str, list[int]] = {}
+    for group in sorted(weight, key=lambda g: (-weight[g], g)):
+        n = min(w.replicas.get(group, 1), w.workers)
+        chosen = sorted(range(w.workers), key=lambda i: (load[i], i))[:n]
+        for i in chosen:
+            load[i] += weight[group] / n
+        homes[group] = chosen
+    seen: dict[str, int] = {}
+    out = []
+    for r in order:
+        k = seen.get(r.group, 0)
+        seen[r.group] = k + 1
+        out.append(homes[r.group][k % len(homes[r.group])])
+    return out
+
+
+def chained_blocks(tokens: Sequence[int], block_size: int) -> list[int]:
+    out: list[int] = []
+    parent = 0
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash((parent, tuple(tokens[start : start + block_size])))
+        out.append(parent)
+    return out
+
+
+class Lru:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.blocks: OrderedDict[int, None] = OrderedDict()
+
+    def touch(self, blocks: list[int]) -> int:
+        """Leading blocks present, then all of them become the most recent, head last."""
+        hit = 0
+        while hit < len(blocks) and blocks[hit] in self.blocks:
+            hit += 1
+        for b in reversed(blocks):
+            self.blocks[b] = None
+            self.blocks.move_to_end(b)
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+        return hit

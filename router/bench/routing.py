@@ -1,0 +1,342 @@
+"""`kvroute bench routing`: routing quality of kvroute next to the baselines and the peer
+routers, on the same simulated fleet, with the engines' own figures.
+
+For every workload (router.bench.workloads) and router (router.bench.targets), each run
+starts a fresh `kvroute fleet` (empty caches), the router in front of it, drives the
+workload (router.bench.driver, or vLLM's `vllm bench serve` with `--driver vllm`) and reads
+the engines: cached-token fraction from each response's
+`usage.prompt_tokens_details.cached_tokens`, requests per worker from each engine's
+`vllm:request_success_total`. A cell is the median of `runs` runs; run i uses seed i for
+the request order, the simulator and the random policy. The capacity-aware ideal
+(router.bench.ideal) is computed for the same orders.
+
+JSON: {"workloads": {NAME: {"ideal": F, "routers": {ROUTER: ROW}}},
+       "replicas": {NAME: {"one": ROW, "two": ROW}}}
+ROW: {"cached_fraction", "ttft_ms": {"p50", "p90", "p99", "mean"}, "itl_ms_p90",
+      "requests_per_worker": [...], "max_min_load", "errors", "runs", "cached_fraction_runs",
+      "router_cpu_s" (CPU seconds the router processes used during the drive),
+      "engine_ttft_ms_mean" (the engines' own TTFT: what the client saw less the router),
+      "router_ejections" (kvroute: workers ejected on failed health checks, all runs)}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engines.sim.fleet import start_fleet_process
+from router.bench import peers
+from router.bench.driver import DriveResult, drive, engine_counters
+from router.bench.ideal import ideal_fraction, oracle_route
+from router.bench.targets import TARGETS, Target, Urls, replicas_target, with_config
+from router.bench.workloads import GENERATORS, Workload, build
+
+DEFAULT_WORKLOADS = ("seed", "vllm-prefix-repetition", "sibling-burst")
+DEFAULT_ROUTERS = (
+    "kvroute",
+    "round_robin",
+    "sglang-router-cache_aware",
+    "vllm-router-cache_aware",
+)
+Drive = Callable[[Workload, list[str], list[dict[str, Any]], bool], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Plan:
+    workloads: Sequence[str]
+    routers: Sequence[str]
+    replicas: Sequence[str]
+    runs: int = 3
+    scale: float = 1.0
+    driver: str = "own"
+    config: Path | None = None
+    install_peers: bool = True
+
+
+def plan_for(
+    workloads: Sequence[str] | None,
+    routers: Sequence[str] | None,
+    full: bool,
+    **kw: Any,
+) -> Plan:
+    """The default subset finishes in ~15 minutes on 2 cores; `full` runs everything.
+    vLLM's client has one dataset: `--driver vllm` runs vllm-prefix-repetition only."""
+    if kw.get("driver") == "vllm":
+        chosen = routers or (tuple(TARGETS) if full else DEFAULT_ROUTERS)
+        return Plan(workloads or ("vllm-prefix-repetition",), chosen, (), **kw)
+    if full:
+        all_w = tuple(GENERATORS)
+        return Plan(workloads or all_w, routers or tuple(TARGETS), workloads or all_w, **kw)
+    return Plan(workloads or DEFAULT_WORKLOADS, routers or DEFAULT_ROUTERS, (), **kw)
+
+
+def run(plan: Plan, json_path: Path | None = None, plot_path: Path | None = None) -> dict[str, Any]:
+    targets = with_config(plan.config)
+    needed = sorted({t.peer for n in plan.routers if (t := targets[n]).peer})
+    installed = peers.ensure_peers(needed, install=plan.install_peers)
+    report: dict[str, Any] = {"workloads": {}, "replicas": {}, "runs": plan.runs}
+    report["driver"] = plan.driver
+    for name in plan.workloads:
+        report["workloads"][name] = _workload(plan, name, targets, installed)
+        _write(report, json_path, None, quiet=True)  # a long run keeps what it measured
+    for name in plan.replicas:
+        report["replicas"][name] = _replicas(plan, name, report, targets)
+        _write(report, json_path, None, quiet=True)
+    print_table(report)
+    _write(report, json_path, plot_path)
+    return report
+
+
+def _workload(
+    plan: Plan, name: str, targets: dict[str, Target], installed: dict[str, str | None]
+) -> dict[str, Any]:
+    loads = [build(name, seed, plan.scale) for seed in range(plan.runs)]
+    ideal = statistics.median(ideal_fraction(w) for w in loads)
+    routers: dict[str, Any] = {}
+    for router in plan.routers:
+        t = targets[router]
+        if t.peer is not None and installed.get(t.peer) is None:
+            routers[router] = {"skipped": f"{t.peer} not installed"}
+        elif t.oracle and plan.driver == "vllm":
+            routers[router] = {"skipped": "the oracle needs the bench's own driver"}
+        else:
+            routers[router] = _measure_or_fail(plan, loads, router, t)
+    return {"ideal": round(ideal, 4), "routers": routers}
+
+
+def _measure_or_fail(plan: Plan, loads: list[Workload], router: str, t: Target) -> dict[str, Any]:
+    """A router that fails to start or dies is a row that says so, not a lost table."""
+    try:
+        return measure(plan, loads, router, t)
+    except (RuntimeError, OSError, KeyError) as exc:
+        print(f"  {router}: failed: {exc}", file=sys.stderr)
+        return {"skipped": f"failed: {str(exc)[:300]}"}
+
+
+def _replicas(
+    plan: Plan, name: str, report: dict[str, Any], targets: dict[str, Target]
+) -> dict[str, Any]:
+    loads = [build(name, seed, plan.scale) for seed in range(plan.runs)]
+    done = report["workloads"].get(name, {}).get("routers", {}).get("kvroute")
+    if not done or "skipped" in done:
+        done = measure(plan, loads, "kvroute", targets["kvroute"])
+    two = _measure_or_fail(plan, loads, "kvroute-replicas", replicas_target(plan.config))
+    return {"one": done, "two": two}
+
+
+def measure(plan: Plan, loads: list[Workload], router: str, target: Target) -> dict[str, Any]:
+    """One router on one workload: `len(loads)` runs, each on a fresh fleet; medians."""
+    drive_fn = _drive_vllm if plan.driver == "vllm" else _drive_own
+    rows = []
+    for seed, w in enumerate(loads):
+        t0 = time.monotonic()
+        rows.append(one_run(w, target, seed, drive_fn))
+        print(
+            f"  {w.name} / {router} run {seed + 1}/{len(loads)}: cached "
+            f"{rows[-1]['cached_fraction']:.3f}, {time.monotonic() - t0:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+    return summarize(rows)
+
+
+def one_run(w: Workload, target: Target, seed: int, drive_fn: Drive) -> dict[str, Any]:
+    args = ["--block-size", str(w.block_size), "--kv-blocks", str(w.kv_blocks)]
+    args += ["--output-len", "512:512", "--seed", str(seed), *w.sim_args]
+    if not target.events:
+        for i in range(w.workers):
+            args += ["--no-events-on", str(i)]
+    with start_fleet_process(w.workers, args) as fleet:
+        workers = fleet.workers
+        with target.launch(workers, seed) as urls:
+            before = children_cpu_s(exclude=fleet.pid)
+            row = drive_fn(w, urls, workers, target.oracle)
+            row["router_cpu_s"] = children_cpu_s(exclude=fleet.pid) - before
+            if isinstance(urls, Urls):
+                row["router_ejections"] = urls.ejections()
+    return row
+
+
+def children_cpu_s(exclude: int) -> float:
+    """CPU seconds (user + system) of this process's children but `exclude`: the router(s)
+    under test. Linux /proc; 0 elsewhere."""
+    me, total = os.getpid(), 0.0
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        pid = int(stat.parent.name)
+        if int(fields[1]) == me and pid != exclude:
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def _drive_own(
+    w: Workload, urls: list[str], workers: list[dict[str, Any]], oracle: bool
+) -> dict[str, Any]:
+    route = None
+    if oracle:
+        home = oracle_route(w)
+        route = lambda r: urls[home(r)]  # noqa: E731
+    result = asyncio.run(drive(w, urls, route=route))
+    row = run_row(result)
+    row.update(_per_worker(workers))
+    return row
+
+
+def _drive_vllm(
+    w: Workload, urls: list[str], workers: list[dict[str, Any]], oracle: bool
+) -> dict[str, Any]:
+    from router.bench.vllm_driver import VllmDriverError, vllm_bench_serve
+
+    if oracle:
+        raise VllmDriverError("the oracle row needs the bench's own driver")
+    before = [engine_counters(str(x["url"])) for x in workers]
+    row = vllm_bench_serve(w, urls[0], w.seed)
+    after = [engine_counters(str(x["url"])) for x in workers]
+    hits = _delta(after, before, "vllm:prefix_cache_hits_total")
+    queries = _delta(after, before, "vllm:prefix_cache_queries_total")
+    row["cached_fraction"] = hits / max(queries, 1)
+    row.update(_per_worker(workers))
+    return row
+
+
+def _delta(after: list[dict[str, float]], before: list[dict[str, float]], key: str) -> float:
+    return sum(a.get(key, 0.0) - b.get(key, 0.0) for a, b in zip(after, before, strict=True))
+
+
+def run_row(result: DriveResult) -> dict[str, Any]:
+    s = result.samples
+    ttfts = sorted(x.ttft_ms for x in s)
+    gaps = sorted(g for x in s for g in x.gaps_ms)
+    cached = sum(x.cached_tokens for x in s)
+    prompt = sum(x.prompt_tokens for x in s)
+    for text in result.error_texts:
+        print(f"    error: {text}", file=sys.stderr)
+    return {
+        "cached_fraction": cached / max(prompt, 1),
+        "ttft_ms": {
+            "p50": pct(ttfts, 0.5),
+            "p90": pct(ttfts, 0.9),
+            "p99": pct(ttfts, 0.99),
+            "mean": statistics.fmean(ttfts) if ttfts else 0.0,
+        },
+        "itl_ms_p90": pct(gaps, 0.9),
+        "errors": result.errors,
+    }
+
+
+def _per_worker(workers: list[dict[str, Any]]) -> dict[str, Any]:
+    """Requests per engine, and the engines' own mean TTFT (arrival at the engine to first
+    token): the client's TTFT minus this is what the router and the network added."""
+    c = [engine_counters(str(w["url"])) for w in workers]
+    counts = [int(x.get("vllm:request_success_total", 0)) for x in c]
+    ttft_s = sum(x.get("vllm:time_to_first_token_seconds_sum", 0.0) for x in c)
+    n = sum(x.get("vllm:time_to_first_token_seconds_count", 0.0) for x in c)
+    return {
+        "requests_per_worker": counts,
+        "max_min_load": max(counts) / max(min(counts), 1),
+        "engine_ttft_ms_mean": 1000 * ttft_s / max(n, 1),
+    }
+
+
+def pct(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending list (0 when empty)."""
+    if not sorted_values:
+        return 0.0
+    i = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return sorted_values[i]
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Medians over runs (per worker: median of each worker's count, by worker index)."""
+
+    def med(get: Callable[[dict[str, Any]], float], digits: int = 1) -> float:
+        return round(statistics.median(get(r) for r in rows), digits)
+
+    n_workers = len(rows[0]["requests_per_worker"])
+    return {
+        "cached_fraction": med(lambda r: r["cached_fraction"], 4),
+        "ttft_ms": {
+            k: round(statistics.median(r["ttft_ms"][k] for r in rows), 1)
+            for k in ("p50", "p90", "p99", "mean")
+        },
+        "itl_ms_p90": med(lambda r: r["itl_ms_p90"]),
+        "requests_per_worker": [
+            statistics.median(r["requests_per_worker"][i] for r in rows) for i in range(n_workers)
+        ],
+        "max_min_load": med(lambda r: r["max_min_load"], 2),
+        "router_cpu_s": med(lambda r: r.get("router_cpu_s", 0.0)),
+        "engine_ttft_ms_mean": med(lambda r: r.get("engine_ttft_ms_mean", 0.0)),
+        "router_ejections": sum(r.get("router_ejections", 0) for r in rows),
+        "errors": sum(r["errors"] for r in rows),
+        "runs": len(rows),
+        "cached_fraction_runs": [round(r["cached_fraction"], 4) for r in rows],
+    }
+
+
+def print_table(report: dict[str, Any]) -> None:
+    head = (
+        f"{'router':<27} {'cached':>7} {'TTFT p50':>9} {'p90':>7} {'p99':>7} {'mean':>7} "
+        f"{'ITL p90':>8} {'max/min':>7} {'err':>4} {'CPU s':>6} {'eng TTFT':>8} {'ej':>3}"
+    )
+    for name, wl in report["workloads"].items():
+        print(f"\n{name} (ideal {wl['ideal']:.3f})\n{head}")
+        for router, row in wl["routers"].items():
+            print(_line(router, row))
+    for name, pair in report["replicas"].items():
+        print(f"\nreplicas: {name}\n{head}")
+        for label, row in pair.items():
+            print(_line(f"kvroute x {label}", row))
+    if report["replicas"]:
+        print("(two: the client alternates between two kvroute replicas, each on every event)")
+
+
+def _line(router: str, row: dict[str, Any]) -> str:
+    if "skipped" in row:
+        return f"{router:<27} skipped: {row['skipped']}"
+    t = row["ttft_ms"]
+    return (
+        f"{router:<27} {row['cached_fraction']:>7.3f} {t['p50']:>9.1f} {t['p90']:>7.1f} "
+        f"{t['p99']:>7.1f} {t['mean']:>7.1f} {row['itl_ms_p90']:>8.1f} "
+        f"{row['max_min_load']:>7.2f} {row['errors']:>4} {row.get('router_cpu_s', 0):>6.1f} "
+        f"{row.get('engine_ttft_ms_mean', 0):>8.1f} {row.get('router_ejections', 0):>3}"
+    )
+
+
+def plot(report: dict[str, Any]) -> str:
+    from router.svgplot import bar_chart
+
+    series: dict[str, dict[str, float]] = {"ideal": {}}
+    for name, wl in report["workloads"].items():
+        series["ideal"][name] = wl["ideal"]
+        for router, row in wl["routers"].items():
+            if "skipped" not in row:
+                series.setdefault(router, {})[name] = row["cached_fraction"]
+    return bar_chart(
+        "Routing quality: engine-reported cached-token fraction (medians)",
+        series,
+        "higher is better; ideal = perfect affinity with these caches",
+    )
+
+
+def _write(
+    report: dict[str, Any], json_path: Path | None, plot_path: Path | None, quiet: bool = False
+) -> None:
+    if json_path is not None:
+        json_path.write_text(json.dumps(report, indent=2))
+        if not quiet:
+            print(f"wrote {json_path}")
+    if plot_path is not None:
+        plot_path.write_text(plot(report))
+        print(f"wrote {plot_path}")

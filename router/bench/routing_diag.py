@@ -1,0 +1,217 @@
+"""Why kvroute's cached fraction falls short of the ideal on a workload: where each group's
+requests went, what the router predicted versus what the engines served, and what the
+engines really hold at the end (their `POST /sim/cached_tokens` ground truth).
+
+    python -m router.bench.routing_diag --workload vllm-prefix-repetition --runs 3 \\
+        [--config kvroute.yaml] [--router kvroute|kvroute-approx|round_robin|...]
+
+Prints per run: cached fraction and the ideal; groups homed per worker (the worker of a
+group's first request) and how many groups were split over several workers; the router's
+prediction fidelity (`kvroute_prediction_fidelity_total`: exact / over / under, over = it
+believed blocks cached that the engine no longer had); evictions per engine; and how many
+groups' whole shared prefix each engine still holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import re
+import statistics
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from engines.sim.fleet import start_fleet_process
+from router.bench import driver
+from router.bench.driver import DriveResult, Sample, drive
+from router.bench.ideal import ideal_fraction
+from router.bench.targets import replicas_target, with_config
+from router.bench.workloads import Request, Workload, build
+
+DECISIONS: list[tuple[Request, dict[str, Any], Sample]] = []
+BELIEF: collections.Counter[str] = collections.Counter()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", default="vllm-prefix-repetition")
+    p.add_argument("--router", default="kvroute")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--config", type=Path)
+    p.add_argument("--scale", type=float, default=1.0)
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help="ask /debug/route before each request and analyse the requests that left "
+        "their group's first worker (kvroute only; shifts timing slightly)",
+    )
+    args = p.parse_args()
+    if args.explain:
+        driver.one = _explained(driver.one)
+    if args.router == "kvroute-replicas":
+        target = replicas_target(args.config)
+    else:
+        target = with_config(args.config)[args.router]
+    fractions = []
+    for seed in range(args.runs):
+        w = build(args.workload, seed, args.scale)
+        fractions.append(diagnose(w, target, seed))
+    print(f"median cached fraction {statistics.median(fractions):.4f} over {fractions}")
+
+
+def diagnose(w: Workload, target: Any, seed: int) -> float:
+    fleet_args = ["--block-size", str(w.block_size), "--kv-blocks", str(w.kv_blocks)]
+    fleet_args += ["--output-len", "512:512", "--seed", str(seed), *w.sim_args]
+    if not target.events:
+        for i in range(w.workers):
+            fleet_args += ["--no-events-on", str(i)]
+    with (
+        start_fleet_process(w.workers, fleet_args) as fleet,
+        target.launch(fleet.workers, seed) as urls,
+    ):
+        result = asyncio.run(drive(w, urls))
+        names = {str(x["url"]).removeprefix("http://"): i for i, x in enumerate(fleet.workers)}
+        router_metrics = _router_metrics(urls[0])
+        truth = _ground_truth(w, fleet.workers)
+        stats = [httpx.get(f"{x['url']}/sim/stats").json() for x in fleet.workers]
+    out = report(w, result, names, router_metrics, truth, stats)
+    if DECISIONS:
+        explain_splits(DECISIONS)
+        DECISIONS.clear()
+    return out
+
+
+def _explained(one: Any) -> Any:
+    async def wrapped(client: httpx.AsyncClient, url: str, r: Request) -> Sample:
+        doc = (await client.post(f"{url}/debug/route", json={"prompt": r.prompt})).json()
+        await _compare_belief(client, doc, r.prompt)
+        sample: Sample = await one(client, url, r)
+        DECISIONS.append((r, doc, sample))
+        return sample
+
+    return wrapped
+
+
+async def _compare_belief(client: httpx.AsyncClient, doc: dict[str, Any], prompt: str) -> None:
+    """The router's overlap per worker against the engine's ground truth, at decision time."""
+    for x in doc["workers"]:
+        truth = await client.post(
+            f"http://{x['worker']}/sim/cached_tokens", json={"prompt": prompt}
+        )
+        held = truth.json()["cached_blocks"]
+        believed = x["overlap_blocks"]
+        if believed == held:
+            BELIEF["exact"] += 1
+        elif believed > held:
+            BELIEF["router over (engine evicted, index still shows)"] += 1
+            BELIEF["over blocks"] += believed - held
+        else:
+            BELIEF["router under (engine holds, index does not show)"] += 1
+            BELIEF["under blocks"] += held - believed
+            BELIEF["under while router saw 0" if believed == 0 else "under, partial"] += 1
+
+
+def explain_splits(decisions: list[tuple[Request, dict[str, Any], Sample]]) -> None:
+    """Requests that went elsewhere than their group's first worker: why, by the terms."""
+    home: dict[str, str] = {}
+    why: collections.Counter[str] = collections.Counter()
+    shown = 0
+    for r, doc, sample in decisions:
+        worker = sample.worker or "?"
+        first = home.setdefault(r.group, worker)
+        if worker == first:
+            continue
+        by = {x["worker"]: x for x in doc["workers"]}
+        h, chosen = by.get(first, {}), by.get(worker, {})
+        why[_reason(h, chosen)] += 1
+        if shown < 4:
+            shown += 1
+            print(f"  split {r.group}: home {first} -> {worker}, cached {sample.cached_tokens}")
+            print("    " + doc["explain"].replace("\n", "\n    "))
+    print(f"  why requests left their group's first worker: {dict(why)}")
+    print(f"  router belief vs engine truth (per worker x request): {dict(BELIEF)}")
+    BELIEF.clear()
+
+
+def _reason(home: dict[str, Any], chosen: dict[str, Any]) -> str:
+    if home.get("excluded"):
+        return "home excluded (load bound)"
+    if home.get("overlap_blocks", 0) == 0:
+        return "router saw no overlap on home"
+    if chosen.get("overlap_blocks", 0) >= home.get("overlap_blocks", 0):
+        return "other worker had >= overlap"
+    return "load/headroom outweighed the overlap"
+
+
+def report(
+    w: Workload,
+    result: DriveResult,
+    names: dict[str, int],
+    router_metrics: dict[str, float],
+    truth: list[int],
+    stats: list[dict[str, Any]],
+) -> float:
+    s = result.samples
+    cached = sum(x.cached_tokens for x in s) / max(sum(x.prompt_tokens for x in s), 1)
+    homes: dict[str, int] = {}
+    spread: dict[str, set[int]] = collections.defaultdict(set)
+    for x in s:
+        worker = names.get(x.worker or "", -1)
+        homes.setdefault(x.group, worker)
+        spread[x.group].add(worker)
+    per_worker = collections.Counter(homes.values())
+    split = sum(1 for v in spread.values() if len(v) > 1)
+    print(f"\nrun: cached {cached:.4f} (ideal {ideal_fraction(w):.4f}), errors {result.errors}")
+    print(f"  groups homed per worker: {[per_worker.get(i, 0) for i in range(w.workers)]}")
+    print(f"  groups split over >1 worker: {split} of {len(spread)}")
+    served = collections.Counter(names.get(x.worker or "", -1) for x in s)
+    print(f"  requests per worker: {[served.get(i, 0) for i in range(w.workers)]}")
+    print(f"  evicted blocks per engine: {[st['blocks_evicted'] for st in stats]}")
+    print(f"  groups whose whole prefix each engine holds at the end: {truth}")
+    fid = {k: v for k, v in router_metrics.items() if k.startswith("fidelity")}
+    print(f"  prediction fidelity: {fid}")
+    pred = router_metrics.get("predicted", 0.0)
+    rep = router_metrics.get("reported", 0.0)
+    print(f"  predicted cached tokens {pred:.0f}, reported {rep:.0f} ({pred / max(rep, 1):.3f}x)")
+    return round(cached, 4)
+
+
+_LINE = re.compile(r"^(kvroute_[a-z_]+)\{([^}]*)\} ([0-9.eE+-]+)$", re.M)
+
+
+def _router_metrics(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out: dict[str, float] = collections.defaultdict(float)
+    for name, labels, value in _LINE.findall(text):
+        if name == "kvroute_prediction_fidelity_total":
+            result = re.search(r'result="(\w+)"', labels)
+            out[f"fidelity_{result.group(1) if result else '?'}"] += float(value)
+        elif name == "kvroute_predicted_cached_tokens_total":
+            out["predicted"] += float(value)
+        elif name == "kvroute_reported_cached_tokens_total":
+            out["reported"] += float(value)
+    return dict(out)
+
+
+def _ground_truth(w: Workload, workers: list[dict[str, Any]]) -> list[int]:
+    """Per engine: groups whose first request's leading full blocks (all but the tail
+    block) are all still cached there."""
+    first: dict[str, str] = {}
+    for r in w.requests:
+        first.setdefault(r.group, r.prompt)
+    out = []
+    for x in workers:
+        held = 0
+        for prompt in first.values():
+            doc = httpx.post(f"{x['url']}/sim/cached_tokens", json={"prompt": prompt}).json()
+            full = (doc["prompt_tokens"] - 1) // doc["block_size"]
+            held += doc["cached_blocks"] >= full - 8  # the shared part; suffix blocks differ
+        out.append(held)
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""`kvroute bench routing`: the harness end to end at tiny sizes (real simulated fleet, real
+routers on loopback), its JSON shape, and the pure pieces (ideal, vLLM driver flags)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+
+from router.bench import ideal, routing, workloads
+from router.bench.vllm_driver import command, row_from_result
+from router.tokenize import PACKAGED_TOKENIZER, LocalTokenizer
+
+ROW_KEYS = {"cached_fraction", "ttft_ms", "itl_ms_p90", "requests_per_worker", "errors", "runs"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_harness_json_shape_and_kvroute_beats_round_robin(tmp_path: Path) -> None:
+    plan = routing.Plan(
+        workloads=["seed"],
+        routers=["kvroute", "round_robin"],
+        replicas=(),
+        runs=3,
+        scale=0.25,
+        install_peers=False,
+    )
+    out, svg = tmp_path / "r.json", tmp_path / "r.svg"
+    routing.run(plan, out, svg)
+    doc = json.loads(out.read_text())
+    assert set(doc) >= {"workloads", "replicas"}
+    seed = doc["workloads"]["seed"]
+    assert 0 < seed["ideal"] <= 1
+    for name in ("kvroute", "round_robin"):
+        row = seed["routers"][name]
+        assert set(row) >= ROW_KEYS, name
+        assert set(row["ttft_ms"]) == {"p50", "p90", "p99", "mean"}
+        assert row["runs"] == 3 and row["errors"] == 0
+        assert sum(row["requests_per_worker"]) > 0 and len(row["requests_per_worker"]) == 2
+    kv, rr = seed["routers"]["kvroute"], seed["routers"]["round_robin"]
+    # prefix-aware placement keeps each prefix on one worker; round robin thrashes both
+    assert kv["cached_fraction"] > rr["cached_fraction"] + 0.05, (kv, rr)
+    assert kv["cached_fraction"] <= seed["ideal"] + 0.01
+    assert svg.read_text().startswith("<svg")
+
+
+def test_every_workload_builds_distinct_prompts() -> None:
+    for name in workloads.GENERATORS:
+        w = workloads.build(name, run_seed=1, scale=0.05)
+        prompts = [r.prompt for r in w.requests]
+        assert len(set(prompts)) == len(prompts), name
+        assert w.workers >= 2 and w.concurrency >= 1, name
+
+
+def test_run_seed_changes_order_not_texts() -> None:
+    a = workloads.build("seed", 0, 0.1).requests
+    b = workloads.build("seed", 1, 0.1).requests
+    assert sorted(r.prompt for r in a) == sorted(r.prompt for r in b)
+    assert [r.prompt for r in a] != [r.prompt for r in b]
+
+
+def test_lru_keeps_the_head_of_the_last_request_longest() -> None:
+    lru = ideal.Lru(capacity=3)
+    assert lru.touch([1, 2, 3]) == 0
+    assert lru.touch([1, 2, 3]) == 3
+    lru.touch([9])  # evicts the tail block (3) first, as vLLM frees a request's tail first
+    assert lru.touch([1, 2, 3]) == 2
+
+
+@pytest.mark.parametrize(
+    ("replicas", "expected_homes"),
+    [({}, 1), ({"big": 2}, 2)],
+    ids=["one-home-per-group", "hot-group-spread"],
+)
+def test_placement_pins_groups_and_spreads_hot_ones(
+    replicas: dict[str, int], expected_homes: int
+) -> None:
+    reqs = [workloads.Request(f"big {i}", "big", 1) for i in range(4)]
+    reqs += [workloads.Request(f"small {i}", f"s{i}", 1) for i in range(2)]
+    w = workloads.Workload("t", 3, 10, 1, [[[r] for r in reqs]], replicas=replicas)
+    place = ideal.placement(w, {r.prompt: 100 for r in reqs}, reqs)
+    assert len(set(place[:4])) == expected_homes
+
+
+def test_ideal_of_the_seed_workload_is_near_every_repeat_hitting() -> None:
+    w = workloads.build("seed", 0, 0.25)
+    # 3 prefixes x 2 requests: every second request hits all but its question's tail
+    assert 0.4 < ideal.ideal_fraction(w) < 0.5
+
+
+def test_vllm_driver_flags_mirror_the_workload() -> None:
+    w = workloads.build("vllm-prefix-repetition", 0, 1.0)
+    cmd = command(w, "http://127.0.0.1:1", 2, Path("/tmp/x/r.json"))
+    flags = dict(itertools.pairwise(cmd))
+    assert flags["--prefix-repetition-prefix-len"] == "2000"
+    assert flags["--prefix-repetition-suffix-len"] == "100"
+    assert flags["--prefix-repetition-num-prefixes"] == "32"
+    assert flags["--prefix-repetition-output-len"] == "16"
+    assert flags["--num-prompts"] == "320" and flags["--max-concurrency"] == "16"
+    with pytest.raises(RuntimeError, match="vllm-prefix-repetition only"):
+        command(workloads.build("seed", 0, 0.1), "http://x", 0, Path("/tmp/r.json"))
+
+
+def test_vllm_result_becomes_a_row() -> None:
+    doc = {"p50_ttft_ms": 1.0, "p90_ttft_ms": 2.0, "p99_ttft_ms": 3.0, "mean_ttft_ms": 1.5}
+    doc |= {"p90_itl_ms": 4.0, "completed": 9, "num_prompts": 10}
+    row = row_from_result(doc)
+    assert row["ttft_ms"] == {"p50": 1.0, "p90": 2.0, "p99": 3.0, "mean": 1.5}
+    assert row["errors"] == 1
+
+
+@pytest.mark.parametrize("name", list(workloads.GENERATORS))
+def test_every_prompt_fits_the_fleet_it_runs_on(name: str) -> None:
+    w = workloads.build(name, run_seed=0)
+    flags = dict(zip(w.sim_args[::2], w.sim_args[1::2], strict=True))
+    limit = min(int(flags.get("--max-model-len", 4096)), (w.kv_blocks - 1) * w.block_size)
+    tok = LocalTokenizer(PACKAGED_TOKENIZER)
+    longest = max(len(tok.completion(r.prompt)) + r.max_tokens for r in w.requests)
+    assert longest <= limit, f"{name}: a prompt of {longest} tokens on a {limit}-token fleet"
