@@ -9,8 +9,6 @@ import json
 from typing import Any
 
 import pytest
-
-from router.pd.wire import PREFILL_PARAMS
 from pd_fakes import (
     decode_stream,
     decode_waits_for_client,
@@ -20,6 +18,8 @@ from pd_fakes import (
     prefill_ok,
     prefill_status,
 )
+
+from router.pd.wire import PREFILL_PARAMS
 
 pytestmark = pytest.mark.timeout(120)
 

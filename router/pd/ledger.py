@@ -73,14 +73,13 @@ class Ledger:
         if expected == 0:
             self.carry = observed if self.inflight else 0.0
             return
-        if observed >= PROVED_FRACTION * expected:
-            out.verified = self.pending_splits
-            self.carry = max(observed - expected, 0.0) if self.inflight else 0.0
-        else:
-            per_split = expected / self.pending_splits
-            out.silent = max(1, min(self.pending_splits, round((expected - observed) / per_split)))
-            out.verified = self.pending_splits - out.silent
-            self.carry = 0.0
+        per_split = expected / self.pending_splits
+        # a split counts as silent when more than half its tokens never arrived (a real
+        # pull may fall short by what the decode worker had cached beyond the index's view)
+        missing = max(expected - observed, 0.0) / per_split
+        out.silent = min(self.pending_splits, int(missing + PROVED_FRACTION - 1e-9))
+        out.verified = self.pending_splits - out.silent
+        self.carry = max(observed - expected, 0.0) if self.inflight and not out.silent else 0.0
         self.pending_tokens = self.pending_splits = 0
 
     def _clear(self) -> None:
