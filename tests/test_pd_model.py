@@ -161,7 +161,7 @@ def trained(threshold: str | int = "auto", link: float | None = 3e9) -> m.CostMo
     for n in (256, 1024, 2048, 4096, 8000):
         for w in ("p", "d"):
             model.observe_prefill(w, n, 0, SIM.ttft_ms(n))
-    model.observe_overhead(20.0, 0)
+    model.observe_overhead("d", 35.0, 0, 1)  # ~20 ms beyond the decode step
     return model
 
 

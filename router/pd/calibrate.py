@@ -43,14 +43,21 @@ class Calibration:
         self.results: list[ProbeResult] = []
         self.problem: str | None = None
         self.pair = "probe"  # prefill -> decode, once chosen
+        self.state = "pending"  # pending | running | done | failed | off
 
     async def run(self) -> None:
+        self.state = "running"
+        await self._run()
+        self.state = "failed" if self.problem else "done"
+
+    async def _run(self) -> None:
         pair = await self._pair()
         if pair is None:
             self.problem = f"no discovered prefill and decode worker to probe within {WAIT_S:g} s"
             return
         (p, ps), (d, ds) = pair
         self.pair = f"{p.name} -> {d.name}"
+        await self._local_rate(d, ds)  # first: the overhead is what a decode step leaves
         for i, tokens in enumerate(PROBE_TOKENS):
             result = await probe_handoff(
                 self.pool.client,
@@ -70,7 +77,6 @@ class Calibration:
                 log.error("P/D %s; fix: %s", self.problem, PROBE_FIX)
                 return
             self._learn(ps.name, result, sample=i > 0)
-        await self._local_rate(d, ds)
         log.warning("P/D calibrated: %s; %s", self.model.snapshot(), self.results[-1].describe())
 
     def _learn(self, prefill: str, r: ProbeResult, sample: bool) -> None:
@@ -80,7 +86,9 @@ class Calibration:
         self.model.observe_transfer(m.bytes_transferred, m.xfer_seconds, m.external_kv_transfer)
         self.model.observe_prefill(prefill, r.prompt_tokens, 0, r.prefill_leg_ms)
         if r.decode_ttft_ms is not None:
-            self.model.observe_overhead(r.decode_ttft_ms, r.prompt_tokens)
+            self.model.observe_overhead(
+                r.decode, r.decode_ttft_ms, r.prompt_tokens, r.prompt_tokens
+            )
 
     async def _local_rate(self, h: WorkerHandle, state: WorkerState) -> None:
         for tokens in PROBE_TOKENS[1:]:

@@ -95,6 +95,8 @@ class PDDoor:
     async def _calibrate(self) -> None:
         if self.active and self.config.pd_probe and self.config.pd_threshold != "never":
             await self.calibration.run()
+        else:
+            self.calibration.state = "off"
         await self.verifier.baseline(self._decode_endpoints())
 
     def _decode_endpoints(self) -> list[str]:
@@ -290,7 +292,10 @@ class PDDoor:
         if r.first_byte is not None:
             self.metrics.handoff.observe(r.first_byte - r.started)
             if r.rin.stream:
-                self.model.observe_overhead((r.first_byte - sent) * 1000, plan.uncached)
+                ttft = (r.first_byte - sent) * 1000
+                self.model.observe_overhead(
+                    plan.decode, ttft, plan.uncached, r.decision.prompt_tokens
+                )
         return plan.uncached
 
     async def _decode_unsent(
@@ -356,6 +361,7 @@ class PDDoor:
         doc: dict[str, Any] = {
             "status": "degraded" if problems else "ok",
             "threshold": self.config.pd_threshold,
+            "calibration": self.calibration.state,
             **self.model.snapshot(),
             **self.verifier.totals(),
             "workers": sorted(problems),

@@ -4,13 +4,15 @@ clock: every observation carries its own duration).
 Decode-first: the decode worker D is chosen by the decode profile; `uncached` is the part of
 the prompt not cached on D. Both ways, in milliseconds:
 
-    local = queue_D + prefill_D(uncached) + stall
-            stall = prefill_D(uncached) when D is running other requests (each of their
-            streams waits that long for its next token), else 0
-    split = queue_P + prefill_P(uncached on P) + transfer + overhead
+    local = queue_D + prefill_D(uncached) + stall(prefill_D(uncached))
+    split = queue_P + prefill_P(uncached on P) + transfer + step_D + overhead + stall(step_D)
             transfer = kv_bytes_per_token * uncached / link_bytes_per_s
-            overhead = the decode leg's time to first token beyond the transfer (its step on D,
-            the second HTTP leg, the handshake amortised)
+            step_D   = D's step that computes the pulled request's first token: prefill_D of one
+                       token after the prompt
+            overhead = what a decode leg's time to first token shows beyond the transfer and
+                       step_D (the second HTTP leg, the notification)
+            stall(x) = x when D is running other requests (each of their streams waits that
+                       long for its next token), else 0
 
 `auto` splits when split < local by a margin (2 ms or 5%). It splits nothing until it knows
 the link (a probe handoff at start, `--pd-link-mb-s`, or the decode workers' NIXL metrics)
@@ -27,7 +29,15 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-DEFAULT_OVERHEAD_MS = 5.0  # until measured: a second HTTP leg and a decode step
+DEFAULT_OVERHEAD_MS = 5.0  # until measured: a second HTTP leg
+SPLIT_TERMS = (
+    "remote_queue",
+    "remote_prefill",
+    "transfer",
+    "decode_step",
+    "overhead",
+    "split_stall",
+)
 MIN_OWN_SAMPLES = 6  # observations before a worker's own fit replaces the pooled one
 # a split must win by this much: on a close call the prediction's noise decides, and the
 # local path is the simpler one (no second leg, no transfer, no lease)
@@ -263,11 +273,14 @@ class CostModel:
         if nbytes > 0 and tokens > 0 and not self.kv_fixed:
             self.kv_bytes_per_token.add(nbytes / tokens)
 
-    def observe_overhead(self, decode_ttft_ms: float, tokens: int) -> None:
-        """A decode leg's time to first token; what the transfer does not explain is
-        overhead."""
+    def observe_overhead(
+        self, decode: str, decode_ttft_ms: float, tokens: int, prompt_tokens: int
+    ) -> None:
+        """A decode leg's time to first token (`tokens` pulled of `prompt_tokens`); what
+        the transfer and the decode worker's step do not explain is overhead."""
         transfer = self.transfer_ms(tokens) or 0.0
-        self.overhead.add(max(decode_ttft_ms - transfer, 0.0))
+        step = self.prefill_ms(decode, 1, max(prompt_tokens - 1, 0)) or 0.0
+        self.overhead.add(max(decode_ttft_ms - transfer - step, 0.0))
 
     # ---- predictions ----------------------------------------------------------------
 
@@ -317,19 +330,22 @@ class CostModel:
         remote_prefill = self.prefill_ms(p.worker, p.new, p.cached)
         if local_prefill is None or remote_prefill is None:
             return Plan(False, LOCAL_RATE_UNKNOWN, d.worker, p.worker, d.new)
+        step = self.prefill_ms(d.worker, 1, d.new + d.cached - 1) or 0.0
+        busy = d.requests > 0
+        overhead = self.overhead.value
         terms = {
             "local_queue": self.queue_ms(d.worker, d.queued_tokens),
             "local_prefill": local_prefill,
-            "stall": local_prefill if d.requests > 0 else 0.0,
+            "local_stall": local_prefill if busy else 0.0,
             "remote_queue": self.queue_ms(p.worker, p.queued_tokens),
             "remote_prefill": remote_prefill,
             "transfer": transfer,
-            "overhead": self.overhead.value
-            if self.overhead.value is not None
-            else (DEFAULT_OVERHEAD_MS),
+            "decode_step": step,
+            "overhead": DEFAULT_OVERHEAD_MS if overhead is None else overhead,
+            "split_stall": step if busy else 0.0,
         }
-        local = terms["local_queue"] + terms["local_prefill"] + terms["stall"]
-        split = terms["remote_queue"] + remote_prefill + transfer + terms["overhead"]
+        local = terms["local_queue"] + local_prefill + terms["local_stall"]
+        split = sum(terms[k] for k in SPLIT_TERMS)
         terms |= {"local": local, "split": split}
         pays = split < local - max(MARGIN_MS, MARGIN_FRACTION * local)
         reason = SPLIT_FASTER if pays else LOCAL_FASTER
@@ -364,7 +380,7 @@ def split_above(
         transfer = kv_bytes_per_token * n / link_bytes_per_s * 1000
         local = 2 * prefill_ms(n)
         margin = max(MARGIN_MS, MARGIN_FRACTION * local)
-        return prefill_ms(n) + transfer + overhead_ms < local - margin
+        return prefill_ms(n) + transfer + 2 * prefill_ms(1) + overhead_ms < local - margin
 
     n = 16
     while n <= limit and not pays(n):
