@@ -122,12 +122,15 @@ class Background:
 async def one_request(client: httpx.AsyncClient, url: str, prompt: str) -> tuple[float, str]:
     body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True, "ignore_eos": True}
     start = time.perf_counter()
+    ttft = None
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
         tag = r.headers.get("x-kvroute-pd", "")
         async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                return (time.perf_counter() - start) * 1000, tag
+            if ttft is None and line.startswith("data: {"):
+                ttft = (time.perf_counter() - start) * 1000
+    if ttft is None:
         raise RuntimeError(f"no token from {url}: HTTP {r.status_code}")
+    return ttft, tag
 
 
 async def measure(

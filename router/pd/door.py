@@ -170,11 +170,15 @@ class PDDoor:
     ) -> None:
         """The proxy's way, on the decode worker; a streamed answer's time to first token
         teaches the model that worker's prefill rate (when nothing queued before it)."""
+        try:
+            await local(r, send)
+        finally:  # a client that hangs up after its first token still taught us
+            if learn and r.rin.stream and r.first_byte is not None:
+                self._learn_local(r, plan)
+
+    def _learn_local(self, r: ClientRequest, plan: m.Plan) -> None:
         d = r.decision.best
-        await local(r, send)
-        if not (learn and r.rin.stream and r.first_byte is not None and plan.uncached > 0):
-            return
-        if d.prefill_tokens == 0:
+        if plan.uncached > 0 and d.prefill_tokens == 0 and r.first_byte is not None:
             ms = (r.first_byte - r.started) * 1000
             cached = r.decision.prompt_tokens - plan.uncached
             self.model.observe_prefill(d.worker, plan.uncached, cached, ms)
@@ -271,6 +275,8 @@ class PDDoor:
         except ConnectFailed as exc:
             await self._decode_unsent(r, send, local, plan, ticket, exc)
         except asyncio.CancelledError:
+            if r.first_byte is not None:  # the first token came: the pull happened
+                proved = self._learn_split(r, plan, sent)
             self._decode_gone(r, plan, ticket, "client_disconnected")
             raise
         except UpstreamError:
@@ -289,6 +295,11 @@ class PDDoor:
             cause = result.broken or f"http_{result.status}"
             self.metrics.decode_errors.labels(plan.decode, cause).inc()
             return None
+        return self._learn_split(r, plan, sent)
+
+    def _learn_split(self, r: ClientRequest, plan: m.Plan, sent: float) -> int:
+        """A split's first token came: its handoff latency, and what the decode leg's time
+        to first token says of the overhead. Returns the tokens its pull must prove."""
         if r.first_byte is not None:
             self.metrics.handoff.observe(r.first_byte - r.started)
             if r.rin.stream:
@@ -327,7 +338,8 @@ class PDDoor:
         )
         if r.first_byte is None:  # the pull may never have happened
             self.metrics.orphans.labels(plan.prefill or "?", outcome).inc()
-        self.metrics.decode_errors.labels(plan.decode, outcome).inc()
+        if outcome != "client_disconnected":
+            self.metrics.decode_errors.labels(plan.decode, outcome).inc()
 
     # ---- what the control endpoints show ----------------------------------------------
 
@@ -345,6 +357,7 @@ class PDDoor:
             "terms_ms": {k: round(v, 2) for k, v in plan.terms.items()},
             "threshold": self.config.pd_threshold,
             "estimates": self.model.snapshot(),
+            "prefill_fits": self.model.fits_doc(),
             "explain": plan.explain(),
         }
         if pdec is not None:

@@ -158,19 +158,7 @@ def _fit(samples: list[tuple[int, int, float]]) -> tuple[float, float, float] | 
     ys = [ms for _, _, ms in samples]
     if len({n for n, _, _ in samples}) < 2:
         return (0.0, sum(ys) / sum(r[1] for r in rows), 0.0)
-    coef = _nonnegative(rows, ys)
-    if coef is None or len(rows) < 5:
-        return coef
-    # one robust pass: samples far off the fit (a request stuck behind others) are dropped
-    res = [
-        abs(y - sum(c * f for c, f in zip(coef, r, strict=True)))
-        for r, y in zip(rows, ys, strict=True)
-    ]
-    bound = 3 * statistics.median(res) + 1.0
-    kept = [(r, y) for r, y, e in zip(rows, ys, res, strict=True) if e <= bound]
-    if len(kept) == len(rows) or len(kept) < 3:
-        return coef
-    return _nonnegative([r for r, _ in kept], [y for _, y in kept]) or coef
+    return _nonnegative(rows, ys)
 
 
 def _nonnegative(
@@ -350,6 +338,19 @@ class CostModel:
         pays = split < local - max(MARGIN_MS, MARGIN_FRACTION * local)
         reason = SPLIT_FASTER if pays else LOCAL_FASTER
         return Plan(pays, reason, d.worker, p.worker, d.new, terms=terms)
+
+    def fits_doc(self) -> dict[str, dict[str, object]]:
+        """Each worker's prefill fit (ms = a + b*new + c*pairs/1e6), and the pooled one."""
+        out: dict[str, dict[str, object]] = {}
+        for name, fit in [*self.fits.items(), ("pooled", self.pooled)]:
+            coef = fit.coefficients
+            out[name] = {
+                "samples": len(fit.samples),
+                "a_ms": None if coef is None else round(coef[0], 2),
+                "b_ms_per_token": None if coef is None else round(coef[1], 5),
+                "c_ms_per_mpair": None if coef is None else round(coef[2], 3),
+            }
+        return out
 
     def snapshot(self) -> dict[str, float | None]:
         """The estimates, for /health, /debug/route and the metrics."""
