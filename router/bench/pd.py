@@ -3,14 +3,16 @@ real KV bytes with NIXL (UCX, DRAM), behind `kvroute serve`, swept over prompt l
 link (104 MB/s as the seeds' 1 GbE, 1.25 GB/s, and the unthrottled loopback) for three
 thresholds: always split (`--pd-threshold 0`), never, and auto (the cost model).
 
-The decode worker runs `BACKGROUND` streams through the router the whole time (short
-prompts: they stay local), so a local prefill stalls them. Per cell, `repeats` fresh
-prompts, one at a time: their TTFT (p50, p90) and, per request, the worst inter-token gap
-each running stream saw while it was prefilled (`itl_ms_p90`: the stall a long local
-prefill causes). A policy's cost at a point is TTFT p50 + that ITL p90 (the cost model's
-objective: the request's wait plus the wait it imposes); the goal is auto within 5% (+2 ms)
-of the better of always and never at every point. Seeds' numbers (88 KB/token) and faster
-links (NVLink, RDMA) go through the cost model only, printed after the sweep.
+The decode worker runs `BACKGROUND` streams the whole time (short prompts: they stay local),
+so a local prefill stalls them. The three routers run side by side on one fleet per link and
+take turns request by request (a noisy machine's slow moments fall on all alike). Per cell,
+`repeats` fresh prompts per policy, one at a time: their TTFT (p50, p90) and, per request,
+the worst inter-token gap each running stream saw while it was prefilled (`itl_ms_p90`: the
+stall a long local prefill causes). A policy's cost at a point is TTFT p50 + that ITL p90
+(the cost model's objective: the request's wait plus the wait it imposes); the goal is auto
+within 5% (+2 ms) of the better of always and never at every point. The seeds' numbers
+(88 KB/token) and faster links (NVLink, RDMA) go through the cost model only, printed after
+the sweep.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +52,7 @@ MAX_TOKENS = 4
 GOAL_FRACTION, GOAL_MS = 0.05, 2.0
 SIM_ARGS = ["--max-model-len", "16384", "--kv-blocks", "2048"]
 Log = Callable[[str], None]
+Prompts = dict[int, list[str]]
 
 
 @dataclass
@@ -134,28 +138,39 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str) -> tuple
 
 
 async def measure(
-    url: str, prompts: dict[int, list[str]], warm: list[str]
-) -> dict[int, list[Sample]]:
+    urls: dict[str, str], prompts: dict[str, tuple[Prompts, list[str]]]
+) -> dict[str, dict[int, list[Sample]]]:
+    """The policies' routers in turn, request by request (the order rotating), so that a
+    noisy machine's slow moments fall on every policy alike. The running streams go
+    through the `never` router; the others see the decode worker's load in its metrics."""
+    out: dict[str, dict[int, list[Sample]]] = {p: {} for p in urls}
     async with httpx.AsyncClient(timeout=300) as client:
-        bg = Background(client, url)
+        bg = Background(client, urls["never"])
         bg.start()
-        await asyncio.sleep(1.0)
-        for prompt in warm:  # teaches auto's prefill fits; not measured
-            await one_request(client, url, prompt)
-        out: dict[int, list[Sample]] = {}
-        for n, texts in prompts.items():
-            for prompt in texts:
-                start = time.perf_counter()
-                ttft, tag = await one_request(client, url, prompt)
-                await asyncio.sleep(0.05)
-                end = start + ttft / 1000 + 0.03
-                reason = tag.split("reason=")[-1]
-                out.setdefault(n, []).append(
-                    Sample(ttft, tag.startswith("split"), reason, bg.worst_gaps(start, end))
-                )
-                await asyncio.sleep(0.1)
+        await asyncio.sleep(2.0)  # every router has scraped the decode worker's load
+        for policy, (_, warm) in prompts.items():
+            for text in warm:  # teaches each router's prefill fits; not measured
+                await one_request(client, urls[policy], text)
+        order = list(urls)
+        lengths = next(iter(prompts.values()))[0]
+        for n, texts in lengths.items():
+            for k in range(len(texts)):
+                for policy in order[k % len(order) :] + order[: k % len(order)]:
+                    text = prompts[policy][0][n][k]
+                    out[policy].setdefault(n, []).append(
+                        await _sample(client, urls[policy], text, bg)
+                    )
         await bg.stop()
     return out
+
+
+async def _sample(client: httpx.AsyncClient, url: str, prompt: str, bg: Background) -> Sample:
+    start = time.perf_counter()
+    ttft, tag = await one_request(client, url, prompt)
+    end = start + ttft / 1000 + 0.03
+    await asyncio.sleep(0.1)
+    reason = tag.split("reason=")[-1]
+    return Sample(ttft, tag.startswith("split"), reason, bg.worst_gaps(start, end))
 
 
 # ---- one link ---------------------------------------------------------------------------------
@@ -163,7 +178,8 @@ async def measure(
 
 def router_for(fleet: PDFleetProcess, threshold: str) -> RouterProcess:
     workers = ["--prefill-worker", fleet.prefill_urls[0], "--decode-worker", fleet.decode_urls[0]]
-    extra = [*workers, "--pd-threshold", threshold]
+    probe = [] if threshold == "auto" else ["--no-pd-probe"]
+    extra = [*workers, "--pd-threshold", threshold, *probe]
     return RouterProcess([], tokenizer=PACKAGED_TOKENIZER, extra=extra, ready_timeout=60)
 
 
@@ -178,9 +194,6 @@ def wait_calibrated(r: RouterProcess, timeout: float = 90.0) -> dict[str, Any]:
     return pd
 
 
-Prompts = dict[int, list[str]]
-
-
 def run_link(
     link: float | None,
     kv_bytes: int,
@@ -192,17 +205,15 @@ def run_link(
     another policy sent is cached on the workers)."""
     decode_args = ["--link-mb-s", str(link)] if link else []
     args = ["--kv-bytes-per-token", str(kv_bytes), *SIM_ARGS]
-    results: dict[str, dict[int, list[Sample]]] = {}
-    with start_pd_fleet(1, 1, args, decode_args=decode_args) as fleet:
+    with start_pd_fleet(1, 1, args, decode_args=decode_args) as fleet, ExitStack() as stack:
         d = fleet.decode_urls[0]
+        routers = {p: stack.enter_context(router_for(fleet, POLICIES[p])) for p in prompts}
+        if "auto" in routers:
+            log(f"  auto calibrated: {wait_calibrated(routers['auto'])}")
         before = pd_snapshot(httpx.get(d + "/metrics", timeout=10).text)
-        for policy, (texts, warm) in prompts.items():
-            with router_for(fleet, POLICIES[policy]) as r:
-                calibrated = wait_calibrated(r)  # its probes must not overlap the measurements
-                if policy == "auto":
-                    log(f"  auto calibrated: {calibrated}")
-                results[policy] = asyncio.run(measure(r.url, texts, warm))
-            log(f"  {_label(link)} {policy}: {_brief(results[policy])}")
+        results = asyncio.run(measure({p: r.url for p, r in routers.items()}, prompts))
+        for policy, samples in results.items():
+            log(f"  {_label(link)} {policy}: {_brief(samples)}")
         moved = pd_snapshot(httpx.get(d + "/metrics", timeout=10).text) - before
     rate = moved.link_bytes_per_s
     measured = round(rate / 1e6, 1) if rate else 0.0
