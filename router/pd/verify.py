@@ -54,7 +54,7 @@ class Verifier:
     pool: WorkerPool
     model: CostModel
     metrics: PDMetrics
-    interval_s: float = 0.25
+    interval_s: float = 0.5
     ledgers: dict[str, Ledger] = field(default_factory=dict)
     accounts: dict[str, WorkerAccount] = field(default_factory=dict)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
