@@ -31,6 +31,7 @@ from router.pd.calibrate import Calibration
 from router.pd.legs import (
     ClientRequest,
     LegFailed,
+    PrefillAnswer,
     decode_leg,
     decode_timeouts,
     prefill_leg,
@@ -202,7 +203,7 @@ class PDDoor:
 
     async def _prefill(
         self, r: ClientRequest, plan: m.Plan, pdec: Decision, doc: dict[str, Any]
-    ) -> Any:
+    ) -> PrefillAnswer | None:
         worker = plan.prefill
         assert worker is not None
         h = self.pool.handle_of(worker)
@@ -234,11 +235,11 @@ class PDDoor:
         log.warning(
             "prefill leg on %s failed (%s): prefilling on the decode worker", worker, exc.detail
         )
-        self.svc.finish(
-            ticket,
-            status=0,
-            outcome="timeout" if exc.cause == "prefill_timeout" else "connect_failed",
-        )
+        if exc.status:  # it answered: an HTTP error, or params unfit to forward
+            self.svc.finish(ticket, status=exc.status)
+        else:
+            outcome = "timeout" if exc.cause == "prefill_timeout" else "connect_failed"
+            self.svc.finish(ticket, status=0, outcome=outcome)
         self.metrics.fallbacks.labels(exc.cause).inc()
         if exc.orphan:
             self.metrics.orphans.labels(worker, "bad_params").inc()

@@ -51,11 +51,12 @@ class LegFailed(Exception):
     """The prefill leg gave nothing usable; `cause` is the fallback's metric label and
     `orphan` says whether the prefill worker holds blocks no one will read."""
 
-    def __init__(self, cause: str, detail: str, orphan: bool = False) -> None:
+    def __init__(self, cause: str, detail: str, orphan: bool = False, status: int = 0) -> None:
         super().__init__(detail)
         self.cause = cause
         self.detail = detail
         self.orphan = orphan
+        self.status = status  # the prefill worker's HTTP status, when it answered
 
 
 @dataclass
@@ -95,12 +96,12 @@ async def prefill_leg(
     except TimeoutError:
         raise LegFailed("prefill_timeout", "no answer in time") from None
     if resp.status != 200:
-        raise LegFailed("prefill_failed", f"HTTP {resp.status}: {data[:200]!r}")
+        raise LegFailed("prefill_failed", f"HTTP {resp.status}: {data[:200]!r}", status=resp.status)
     params, cached = response_params(data)
     problem = params_problem(params, r.decision.prompt_tokens, block_size)
     if problem is not None:
         holds = isinstance(params, dict) and params.get("do_remote_prefill") is True
-        raise LegFailed("prefill_bad_params", problem, orphan=holds)
+        raise LegFailed("prefill_bad_params", problem, orphan=holds, status=200)
     assert isinstance(params, dict)
     return PrefillAnswer(params, cached, time.perf_counter() - start)
 
