@@ -22,6 +22,7 @@ from router.core.errors import KvrouteError
 from router.core.fleet import FleetState
 from router.forward import Forwarder
 from router.metrics import RouterMetrics
+from router.pd.door import PDDoor
 from router.proxy import ProxyDoor
 from router.routing import DecisionService
 from router.sources import WorkerSources
@@ -65,7 +66,7 @@ class RouterApp:
         self.metrics = RouterMetrics()
         self.metrics.attach(self.pool)
         rng = random.Random(config.seed)
-        profiles = {"default": config.profile("default", rng)}
+        profiles = {name: config.profile(name, rng) for name in ("default", "decode", "prefill")}
         self.routing = DecisionService(
             config, self.fleet, self.pool, self.tokenizers, self.metrics, profiles, self.clock
         )
@@ -81,7 +82,10 @@ class RouterApp:
         self.proxy = ProxyDoor(
             self.routing, self.pool, forwarder, self.metrics, config, access, tracer
         )
+        self.pd = PDDoor(self.routing, self.upstream, forwarder, config, self.metrics.registry)
+        self.proxy.pd = self.pd
         self.control = Control(self.routing, self.sources, self.metrics)
+        self.control.pd = self.pd
         # other doors served by this process (the Envoy picker): started after the fleet,
         # stopped before it
         self.doors: list[Any] = []
@@ -143,6 +147,7 @@ class RouterApp:
 
     async def startup(self) -> None:
         await self.sources.start()
+        await self.pd.start()
         self.routing.started = True
         for door in self.doors:
             await door.start()
@@ -157,6 +162,7 @@ class RouterApp:
     async def shutdown(self) -> None:
         for door in reversed(self.doors):
             await door.stop()
+        await self.pd.stop()
         await self.sources.stop()
         self.upstream.close()
         await self.client.aclose()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("bench", help="benchmarks: index, proxy, extproc, routing")
+    p = sub.add_parser("bench", help="benchmarks: index, proxy, extproc, routing, pd")
     bsub = p.add_subparsers(dest="bench_command", metavar="WHICH", required=True)
     ix = bsub.add_parser(
         "index",
@@ -32,6 +32,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     px.set_defaults(func=_proxy)
     _register_extproc(bsub)
     _register_routing(bsub)
+    _register_pd(bsub)
 
 
 def _register_routing(bsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -72,10 +73,43 @@ def _register_routing(bsub: argparse._SubParsersAction[argparse.ArgumentParser])
     rt.set_defaults(func=_routing)
 
 
+def _register_pd(bsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    pd = bsub.add_parser(
+        "pd",
+        help="prefill->decode handoff: always / never / auto split over prompt length x link, "
+        "simulated workers moving real KV with NIXL (~5-10 minutes)",
+    )
+    pd.add_argument("--json", type=Path, help="write the results here as JSON")
+    pd.add_argument("--plot", type=Path, help="write a bar chart here (SVG)")
+    pd.add_argument("--repeat", type=int, default=5, help="requests per cell; medians (default 5)")
+    pd.add_argument("--lengths", help="prompt lengths, comma-separated (default 256..8000)")
+    pd.add_argument(
+        "--links", help="MB/s per link, comma-separated; 0 = unthrottled (default 104,1250,0)"
+    )
+    pd.add_argument("--kv-bytes-per-token", type=int, default=8192, help="default 8192")
+    pd.set_defaults(func=_pd)
+
+
 def _index(args: argparse.Namespace) -> int:
     from router.bench.index import run
 
     run(args.json, repeat=args.repeat, scale=args.scale)
+    return 0
+
+
+def _pd(args: argparse.Namespace) -> int:
+    from router.bench.pd import LENGTHS, LINKS, run
+
+    lengths = tuple(int(x) for x in args.lengths.split(",")) if args.lengths else LENGTHS
+    links = tuple(float(x) or None for x in args.links.split(",")) if args.links else LINKS
+    run(
+        args.json,
+        args.plot,
+        repeats=args.repeat,
+        lengths=lengths,
+        links=links,
+        kv_bytes=args.kv_bytes_per_token,
+    )
     return 0
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import hmac
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
 import msgspec
@@ -32,6 +32,9 @@ from router.openai_req import parse
 from router.routing import DecisionService
 from router.sources import WorkerSources
 from router.verdicts import worker_reports
+
+if TYPE_CHECKING:
+    from router.pd.door import PDDoor
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -57,6 +60,7 @@ class Control:
         self.pool = sources.pool
         self.metrics = metrics
         self.config = svc.config
+        self.pd: PDDoor | None = None  # the P/D door: its health item, its /debug/route part
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         path, method = scope["path"], scope["method"]
@@ -130,16 +134,21 @@ class Control:
             status = "ok"
         degraded_ok = status == "degraded" and self.config.health_degraded_ok
         code = 200 if status == "ok" or degraded_ok else 503
+        pd = self.pd.health() if self.pd is not None else None
+        if pd is not None and pd["status"] != "ok" and status == "ok":
+            status = "degraded"  # a P/D finding is named, never a 503: requests are served
         if not self.config.health_details:  # no addresses, no problem texts
             counts: dict[str, int] = {}
             for r in reports:
                 counts[r["status"]] = counts.get(r["status"], 0) + 1
             return code, {"status": status, "workers": counts}
-        doc = {
+        doc: dict[str, Any] = {
             "status": status,
             "unhealthy_workers": [r["name"] for r in reports if r["status"] != "ok"],
             "workers": reports,
         }
+        if pd is not None:
+            doc["pd"] = pd
         return code, doc
 
     def worker_list(self) -> list[dict[str, Any]]:
@@ -194,8 +203,11 @@ class Control:
             model = (qs.get("model") or [""])[0]
             body, kind = msgspec.json.encode({"prompt": prompt, "model": model}), "completion"
         rin = parse(kind, body)
-        decision = await self.svc.decide(rin)
+        pd = self.pd if self.pd is not None and self.pd.active else None
+        decision = await self.svc.decide(rin, profile="decode" if pd else "default")
         out = decision_doc(decision)
+        if pd is not None:
+            out["pd"] = await pd.explain(decision, rin, msgspec.json.decode(body))
         if (qs.get("tokens") or ["0"])[0] in ("1", "true", "yes"):
             out["prompt_token_ids"] = list(decision.tokens)
         return out

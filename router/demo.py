@@ -66,6 +66,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         action="store_true",
         help="send the requests through a real Envoy with kvroute as its endpoint picker",
     )
+    p.add_argument(
+        "--pd",
+        action="store_true",
+        help="the prefill->decode handoff instead: which requests split and why, bytes moved, "
+        "TTFT against never splitting, on a fast and a 1 GbE-like link (real NIXL, ~1 min)",
+    )
     p.set_defaults(func=run)
 
 
@@ -227,6 +233,10 @@ class _Progress:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.pd:
+        from router.bench.pd_demo import run as run_pd
+
+        return run_pd()
     tok = LocalTokenizer(PACKAGED_TOKENIZER)
     docs = make_prefixes(tok, args.seed)
     prefix_tokens = {i: len(tok.completion(d)) for i, d in enumerate(docs)}

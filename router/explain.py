@@ -74,4 +74,8 @@ def run(args: argparse.Namespace) -> int:
             f"{w['requests_in_flight']:>9} {cache:>12}  {terms}{note}"
         )
     print(f"winner: {doc['winner']}")
+    pd = doc.get("pd")
+    if pd:  # a prefill->decode fleet: the split decision, its reason code and terms
+        print(f"P/D: {pd['explain']}")
+        print(f"P/D estimates: {pd['estimates']}, threshold {pd['threshold']}")
     return 0

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from router.access import AccessLog
 from router.asgi import Receive, Scope, Send, check_length, header, read_body
@@ -30,6 +30,9 @@ from router.routing import DecisionService, Ticket
 from router.tracing import DecisionTracer
 from router.upstream import Timeouts
 from router.workers import WorkerPool
+
+if TYPE_CHECKING:
+    from router.pd.door import PDDoor
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -59,6 +62,7 @@ class ProxyDoor:
             c.first_byte_timeout_s, c.first_byte_timeout_s, c.inter_chunk_timeout_s
         )
         self.whole = Timeouts(c.request_timeout_s, c.inter_chunk_timeout_s, c.inter_chunk_timeout_s)
+        self.pd: PDDoor | None = None  # completions and chat of a fleet with prefill workers
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         t0 = time.perf_counter()
@@ -70,7 +74,8 @@ class ProxyDoor:
         check_length(scope, self.config.max_body_bytes)
         body = await read_body(receive, self.config.max_body_bytes, self.config.body_timeout_s)
         rin = parse(kind, body) if kind is not None else parse_passthrough(path, body)
-        decision = await self.svc.decide(rin)
+        pd = kind is not None and self.pd is not None and self.pd.active
+        decision = await self.svc.decide(rin, profile="decode" if pd else "default")
         if self.tracer is not None:
             self.tracer.record(scope["headers"], decision, t0_ns)
         request_id = header(scope, b"x-request-id") or uuid.uuid4().hex.encode()
@@ -96,7 +101,10 @@ class ProxyDoor:
         watch = asyncio.ensure_future(_cancel_on_disconnect(receive, me))
         request = _Request(decision, rin, method.encode(), target, headers, body, request_id, t0)
         try:
-            await self._attempts(request, send)
+            if pd and self.pd is not None:
+                await self.pd.serve(request, send, self._attempts)
+            else:
+                await self._attempts(request, send)
         except asyncio.CancelledError:
             if not watch.done():
                 raise

@@ -102,7 +102,7 @@ class DecisionService:
         self,
         rin: RoutingInput,
         *,
-        profile: str = "default",
+        profile: str | None = None,
         constraints: Constraints | None = None,
     ) -> Decision:
         t0 = time.perf_counter()
@@ -122,7 +122,7 @@ class DecisionService:
             max_tokens=rin.max_tokens,
             n=rin.n,
         )
-        decision = self.picker.pick(self.profiles[profile], req, tokens)
+        decision = self.picker.pick(self.profiles[profile or self.door_profile], req, tokens)
         if not decision.ranked:
             raise NoWorkerAvailable("no worker is eligible for this request")
         self.metrics.decision_seconds.observe(time.perf_counter() - t0)
@@ -307,6 +307,13 @@ class DecisionService:
 
     def worker_at(self, address: str) -> str | None:
         return next((w.name for w in self.fleet.workers.values() if w.address == address), None)
+
+    @property
+    def door_profile(self) -> str:
+        """The profile a door uses by default: with prefill-only workers in the fleet,
+        `decode` (prefill workers never take a whole request), else `default`."""
+        has_prefill = any(w.role == "prefill" for w in self.fleet.workers.values())
+        return "decode" if has_prefill and "decode" in self.profiles else "default"
 
     @property
     def ready(self) -> bool:

@@ -68,6 +68,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     _fleet_args(p)
     _routing_args(p)
+    _pd_args(p)
     _operator_args(p)
     from router.extproc.cli import add_arguments as ext_proc_arguments
 
@@ -85,6 +86,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="kvroute.yaml")
     p.add_argument("--worker", action="append", metavar="URL", help="a vLLM worker, repeatable")
+    p.add_argument(
+        "--prefill-worker",
+        action="append",
+        metavar="URL",
+        help="a prefill worker (vLLM with NixlConnector, kv_producer), repeatable",
+    )
+    p.add_argument(
+        "--decode-worker",
+        action="append",
+        metavar="URL",
+        help="a decode worker (NixlConnector, kv_consumer), repeatable",
+    )
     p.add_argument("--workers-file", help="YAML list of workers, reloaded when it changes")
     p.add_argument(
         "--workers-dns",
@@ -120,6 +133,52 @@ def _routing_args(p: argparse.ArgumentParser) -> None:
         help="tokens per KV block, if not learned from the workers' events or metrics",
     )
     p.add_argument("--seed", type=int, help="seed for the random policy and softmax sampling")
+
+
+def _pd_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "prefill->decode handoff (on when some worker has role prefill; README: P/D)"
+    )
+    g.add_argument(
+        "--pd-threshold",
+        metavar="auto|never|TOKENS",
+        help="split a request when the cost model says a remote prefill plus the KV transfer "
+        "beats prefilling on the decode worker (auto, the default), never, or when at least "
+        "TOKENS of its prompt are not cached on the decode worker",
+    )
+    g.add_argument(
+        "--pd-link-mb-s",
+        type=float,
+        metavar="MB_S",
+        help="the prefill->decode link in MB/s until measured (auto splits nothing until the "
+        "link is known: from this, or from the probe handoff at start)",
+    )
+    g.add_argument(
+        "--pd-kv-bytes-per-token",
+        type=int,
+        metavar="BYTES",
+        help="KV bytes per token of the model (default: learned from the decode workers' "
+        "vllm:nixl_bytes_transferred per pulled token)",
+    )
+    g.add_argument(
+        "--pd-probe",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="measure the link with a probe handoff at start (default on)",
+    )
+    g.add_argument(
+        "--pd-max-prefill-inflight",
+        type=int,
+        metavar="N",
+        help="prefill legs in flight at which a prefill worker counts as saturated (default 8)",
+    )
+    g.add_argument(
+        "--pd-fault-strip-params",
+        action="store_true",
+        default=None,
+        help="TEST FAULT, never in production: send decode legs without kv_transfer_params, "
+        "so the decode worker silently recomputes (router-check and /health must catch it)",
+    )
 
 
 def _operator_args(p: argparse.ArgumentParser) -> None:
@@ -200,6 +259,12 @@ _PLAIN = [
     "forwarded_headers",
     "access_log",
     "log_format",
+    "pd_threshold",
+    "pd_link_mb_s",
+    "pd_kv_bytes_per_token",
+    "pd_probe",
+    "pd_max_prefill_inflight",
+    "pd_fault_strip_params",
 ]
 
 
@@ -209,8 +274,15 @@ def load_config(args: argparse.Namespace, environ: dict[str, str] | None = None)
         base = from_mapping(_read_yaml(args.config), base)
     base = from_env(base, environ)
     flags: dict[str, Any] = {}
-    if args.worker:
-        flags["workers"] = list(args.worker)
+    roles = {
+        "both": args.worker,
+        "prefill": getattr(args, "prefill_worker", None),
+        "decode": getattr(args, "decode_worker", None),
+    }
+    if any(roles.values()):
+        flags["workers"] = [
+            {"url": url, "role": role} for role, urls in roles.items() for url in urls or ()
+        ]
     if getattr(args, "tokenizer", None):
         default, per_model = split_tokenizer_flags(args.tokenizer)
         if default is not None:

@@ -1,9 +1,9 @@
 """The conformance checks, and the order they run in: chosen so that engines are shared
 (the 32-byte engine first, then stopped; everything on `main`; the restart last but one;
-the two-worker fleet last)."""
+the two-worker fleet, then the prefill->decode pair, which starts its own engines)."""
 
 from conformance import faults
-from conformance.checks import chaining, fidelity, fleet, replay, tokenizer, wire_format
+from conformance.checks import chaining, fidelity, fleet, pd, replay, tokenizer, wire_format
 from conformance.registry import REGISTRY, Check
 
 RUN_ORDER = (
@@ -14,6 +14,7 @@ RUN_ORDER = (
     "index-fidelity",
     "replay",
     "fleet",
+    "pd",
 )
 
 
@@ -26,3 +27,4 @@ def registry() -> dict[str, Check]:
 __all__ = ["RUN_ORDER", "chaining", "faults", "fidelity", "fleet", "registry", "replay"]
 __all__ += ["tokenizer"]
 __all__ += ["wire_format"]
+__all__ += ["pd"]

@@ -15,6 +15,7 @@ import zmq.asyncio
 
 from router.check.checks_agree import check_block_size, check_index, check_tokenizer
 from router.check.checks_events import check_events_flowing
+from router.check.checks_pd import check_pd_path
 from router.check.checks_router import admin_fix, check_router, check_router_health
 from router.check.checks_routing import check_load_spread, check_repeat_prefix
 from router.check.checks_worker import (
@@ -85,6 +86,12 @@ CHECKS = (
     ),
     Check(
         "load-spread", "a burst of distinct prompts uses more than one worker", check_load_spread
+    ),
+    Check(
+        "pd-path",
+        "a probe handoff prefill->decode: KV pulled, bytes moved, link speed; live splits proved",
+        check_pd_path,
+        budget=lambda o: 6 * max(o.timeout_s, 30.0),
     ),
 )
 NAMES = tuple(c.name for c in CHECKS)

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 from indexer.index import DEFAULT_MAX_ENTRIES
 from router.core.errors import ConfigError
 from router.core.policies import REGISTRY as POLICY_REGISTRY
-from router.core.profiles import Profile, build_profile
+from router.core.profiles import DEFAULT_FILTERS, PD_FILTERS, PD_ROLES, Profile, build_profile
 from router.core.typed import build, convert, fail
 
 MODES = ("events", "approx", "auto")
@@ -106,6 +106,13 @@ class Config:
     workers_file: str | None = None  # reloaded on change
     workers_dns: str | None = None  # HOST:PORT of a headless Service: one worker per A record
     dns_interval_s: float = 5.0
+    # prefill->decode handoff (router/pd; on when some worker has role prefill)
+    pd_threshold: str = "auto"  # auto | never | TOKENS (split at this many uncached tokens)
+    pd_link_mb_s: float | None = None  # the P->D link until measured (auto needs it or a probe)
+    pd_kv_bytes_per_token: int | None = None  # else learned from the decode workers' metrics
+    pd_probe: bool = True  # a probe handoff at start measures the link (the one router-check runs)
+    pd_max_prefill_inflight: int = 8  # prefill legs in flight that make a prefill worker busy
+    pd_fault_strip_params: bool = False  # TEST FAULT: decode legs lose their kv_transfer_params
 
     def validate(self) -> Config:
         if not self.workers and not self.workers_file and not self.workers_dns:
@@ -171,19 +178,34 @@ class Config:
         _check(self.scoring.balance_rel >= 1, "scoring.balance_rel", "must be >= 1")
         for model, spec in self.tokenizers.items():
             _check(bool(model) and bool(spec), f"tokenizers.{model}", "give MODEL: PATH|remote")
+        self._check_pd()
+
+    def _check_pd(self) -> None:
+        pd_threshold(self.pd_threshold)  # raises naming the field
+        if self.pd_link_mb_s is not None:
+            _check(self.pd_link_mb_s > 0, "pd_link_mb_s", "must be > 0 MB/s (or leave it unset)")
+        if self.pd_kv_bytes_per_token is not None:
+            _check(self.pd_kv_bytes_per_token > 0, "pd_kv_bytes_per_token", "must be > 0")
+        _check(self.pd_max_prefill_inflight >= 1, "pd_max_prefill_inflight", "must be >= 1")
 
     def profile(self, name: str, rng: random.Random | None = None) -> Profile:
-        """The routing profile `name` this config describes (only `default` today)."""
+        """The routing profile `name` this config describes: `default`, or the handoff's
+        `decode` and `prefill` (the same scoring, only workers of that role)."""
         s = self.scoring
+        filter_params: dict[str, dict[str, Any]] = {
+            "load_bound": {"balance_abs": s.balance_abs, "balance_rel": s.balance_rel}
+        }
+        roles = PD_ROLES.get(name)
+        if roles is not None:
+            filter_params["role"] = {"roles": list(roles)}
         return build_profile(
             name,
             policy=self.policy,
             policy_params=self.policy_params,
             weights=s.weights,
             scorer_params=s.params,
-            filter_params={
-                "load_bound": {"balance_abs": s.balance_abs, "balance_rel": s.balance_rel}
-            },
+            filters=DEFAULT_FILTERS if roles is None else PD_FILTERS,
+            filter_params=filter_params,
             rng=rng,
         )
 
@@ -192,6 +214,17 @@ class Config:
 
     def api_key_for(self, w: WorkerConfig) -> str | None:
         return w.api_key or self.worker_api_key
+
+
+def pd_threshold(value: str) -> str | int:
+    """`auto`, `never`, or a number of uncached tokens at or above which to split (0: every
+    request that can be split)."""
+    text = value.strip().lower()
+    if text in ("auto", "never"):
+        return text
+    if text.isdigit():
+        return int(text)
+    raise fail("pd_threshold", f"{value!r}: use auto, never or a number of tokens (e.g. 2048)")
 
 
 def validate_workers(workers: tuple[WorkerConfig, ...], mode: str = "auto") -> None:
@@ -221,6 +254,13 @@ def validate_workers(workers: tuple[WorkerConfig, ...], mode: str = "auto") -> N
             _check(w.block_size > 0, f"{where}.block_size", "must be positive")
         _check(w.role in ROLES, f"{where}.role", f"{w.role!r} not in {', '.join(ROLES)}")
         _check(w.engine in ENGINES, f"{where}.engine", f"{w.engine!r} not in {', '.join(ENGINES)}")
+    roles = {w.role for w in workers}
+    _check(
+        "prefill" not in roles or bool(roles - {"prefill"}),
+        "workers",
+        "prefill workers need a decode worker to hand off to: add --decode-worker URL (or a "
+        "worker with role decode or both)",
+    )
 
 
 def _check(ok: bool, field_name: str, problem: str) -> None:

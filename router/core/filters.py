@@ -13,6 +13,8 @@ nobody else can take).
     tried       not already tried for this request (503)
     load_bound  not more than balance_abs requests above the least loaded endpoint, or
                 balance_rel times it (relaxed: a hot prefix spills over, never refused)
+    role        the endpoint's P/D role is one of `roles` (the decode and prefill profiles
+                of a prefill->decode fleet; 503 when none is left)
 """
 
 from __future__ import annotations
@@ -181,6 +183,36 @@ class LoadBoundFilter:
         return None
 
 
+@dataclass(frozen=True)
+class RoleParams:
+    roles: tuple[str, ...] = ("decode", "both")  # prefill | decode | both
+
+
+class RoleFilter:
+    name = "role"
+
+    def __init__(self, params: RoleParams) -> None:
+        self.roles = frozenset(params.roles)
+
+    def exclude(
+        self, req: RouteRequest, cands: Sequence[Candidate], fleet: FleetState
+    ) -> dict[str, str]:
+        return {
+            c.name: f"role {fleet.workers[c.name].role}"
+            for c in cands
+            if fleet.workers[c.name].role not in self.roles
+        }
+
+    def when_empty(
+        self, req: RouteRequest, excluded: Mapping[str, str], fleet: FleetState
+    ) -> KvrouteError | None:
+        wanted = " or ".join(sorted(self.roles))
+        return NoWorkerAvailable(
+            f"no worker with role {wanted} is eligible",
+            detail=f"not {wanted}: {', '.join(sorted(excluded))}",
+        )
+
+
 REGISTRY: Registry[Filter] = Registry("filter")
 register = REGISTRY.register
 
@@ -189,6 +221,7 @@ register("available", AvailableFilter, NoParams)
 register("subset", SubsetFilter, NoParams)
 register("tried", TriedFilter, NoParams)
 register("load_bound", LoadBoundFilter, LoadBoundParams)
+register("role", RoleFilter, RoleParams)
 
 
 def apply_filters(

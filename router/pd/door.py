@@ -1,0 +1,389 @@
+"""The prefill->decode door: completions and chat of a fleet with prefill workers.
+
+Decode-first: the proxy door already asked the decision service with the `decode` profile;
+here the uncached part of the prompt on that decode worker and the cost model decide whether
+to split (`router.pd.model`); the prefill worker is chosen by the `prefill` profile over the
+same fleet state. A request that stays local goes the proxy's own way (retries, timeouts).
+A split runs the prefill leg, then the decode leg with the returned params
+(`router.pd.legs`), and its pull is proved afterwards on the decode worker's metrics
+(`router.pd.verify`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from router.asgi import Send
+from router.core.config import Config, pd_threshold
+from router.core.decision import Constraints, Decision, WorkerScore
+from router.core.errors import BadRequest, NoWorkerAvailable, UpstreamError, UpstreamTimeout
+from router.forward import ConnectFailed, Forwarder, Outcome
+from router.openai_req import RoutingInput
+from router.pd import model as m
+from router.pd.calibrate import Calibration
+from router.pd.legs import (
+    ClientRequest,
+    LegFailed,
+    PrefillAnswer,
+    decode_leg,
+    decode_timeouts,
+    prefill_leg,
+    reached_worker,
+    tagged,
+)
+from router.pd.metrics import PDMetrics
+from router.pd.verify import Verifier
+from router.pd.wire import decode_body, not_splittable, request_doc
+from router.routing import DecisionService, Ticket
+from router.upstream import UpstreamPool
+
+log = logging.getLogger("kvroute.pd")
+
+Local = Callable[[Any, Send], Awaitable[None]]
+
+
+def cached_tokens(score: WorkerScore, prompt_tokens: int) -> int:
+    """Prompt tokens the engine will take from its cache (never the last one)."""
+    bs = score.block_size
+    return min(score.overlap_blocks * bs, max(prompt_tokens - 1, 0) // bs * bs)
+
+
+class PDDoor:
+    def __init__(
+        self,
+        svc: DecisionService,
+        upstream: UpstreamPool,
+        forwarder: Forwarder,
+        config: Config,
+        registry: CollectorRegistry,
+    ) -> None:
+        self.svc = svc
+        self.pool = svc.pool
+        self.upstream = upstream
+        self.forwarder = forwarder
+        self.config = config
+        link = config.pd_link_mb_s * 1e6 if config.pd_link_mb_s else None
+        self.model = m.CostModel(
+            pd_threshold(config.pd_threshold), link, config.pd_kv_bytes_per_token
+        )
+        self.metrics = PDMetrics(registry, self.model.snapshot)
+        self.verifier = Verifier(self.pool, self.model, self.metrics)
+        self.calibration = Calibration(self.pool, self.model)
+        self._tasks: list[asyncio.Task[None]] = []
+        if config.pd_fault_strip_params:
+            log.warning("TEST FAULT --pd-fault-strip-params: decode legs lose their params")
+
+    @property
+    def active(self) -> bool:
+        """Some worker has the prefill role."""
+        return any(w.role == "prefill" for w in self.svc.fleet.workers.values())
+
+    # ---- lifecycle (the app's lifespan) -----------------------------------------------
+
+    async def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self.verifier.run(), name="pd-verify"),
+            asyncio.create_task(self._calibrate(), name="pd-calibrate"),
+        ]
+
+    async def _calibrate(self) -> None:
+        if self.active and self.config.pd_probe and self.config.pd_threshold != "never":
+            await self.calibration.run()
+        else:
+            self.calibration.state = "off"
+        await self.verifier.baseline(self._decode_endpoints())
+
+    def _decode_endpoints(self) -> list[str]:
+        return [w.name for w in self.svc.fleet.workers.values() if w.role != "prefill"]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    # ---- the decision -----------------------------------------------------------------
+
+    async def plan(
+        self, decision: Decision, rin: RoutingInput, doc: dict[str, Any]
+    ) -> tuple[m.Plan, Decision | None]:
+        """Split or not, and the prefill decision when split."""
+        d = decision.best
+        n = decision.prompt_tokens
+        cached = cached_tokens(d, n)
+        dside = m.Side(d.worker, n - cached, cached, d.requests, d.prefill_tokens)
+        why = not_splittable(doc)
+        if why is not None:
+            return m.Plan(
+                False, m.LOCAL_NOT_SPLITTABLE, d.worker, uncached=dside.new, detail=why
+            ), None
+        if self.model.threshold == "never" or dside.new < d.block_size:
+            return self.model.decide(dside, None, d.block_size), None
+        pdec, pside, why_not = await self._prefill_side(rin, d.worker, n)
+        return self.model.decide(dside, pside, d.block_size, why_not), pdec
+
+    async def _prefill_side(
+        self, rin: RoutingInput, decode: str, n: int
+    ) -> tuple[Decision | None, m.Side | None, str]:
+        """The prefill profile's pick, skipping saturated workers."""
+        try:
+            pdec = await self.svc.decide(
+                rin, profile="prefill", constraints=Constraints(exclude=frozenset({decode}))
+            )
+        except NoWorkerAvailable:
+            return None, None, m.LOCAL_NO_PREFILL
+        limit = self.config.pd_max_prefill_inflight
+        for s in pdec.ranked:
+            if s.requests < limit:
+                cached = cached_tokens(s, n)
+                return pdec, m.Side(s.worker, n - cached, cached, s.requests, s.prefill_tokens), ""
+        return pdec, None, m.LOCAL_SATURATED
+
+    # ---- a request --------------------------------------------------------------------
+
+    async def serve(self, r: ClientRequest, send: Send, local: Local) -> None:
+        doc = request_doc(r.body)
+        if "kv_transfer_params" in doc:
+            raise BadRequest(
+                "kv_transfer_params are set by the router in a prefill/decode fleet",
+                param="kv_transfer_params",
+            )
+        plan, pdec = await self.plan(r.decision, r.rin, doc)
+        self.metrics.decisions.labels("split" if plan.split else "local", plan.reason).inc()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s: %s", r.request_id.decode(errors="replace"), plan.explain())
+        send = tagged(send, plan)
+        if plan.split and pdec is not None:
+            await self._split(r, send, local, plan, pdec, doc)
+        else:
+            await self._local(r, send, local, plan)
+
+    async def _local(
+        self, r: ClientRequest, send: Send, local: Local, plan: m.Plan, learn: bool = True
+    ) -> None:
+        """The proxy's way, on the decode worker; a streamed answer's time to first token
+        teaches the model that worker's prefill rate (when nothing queued before it)."""
+        try:
+            await local(r, send)
+        finally:  # a client that hangs up after its first token still taught us
+            if learn and r.rin.stream and r.first_byte is not None:
+                self._learn_local(r, plan)
+
+    def _learn_local(self, r: ClientRequest, plan: m.Plan) -> None:
+        d = r.decision.best
+        if plan.uncached > 0 and d.prefill_tokens == 0 and r.first_byte is not None:
+            ms = (r.first_byte - r.started) * 1000
+            cached = r.decision.prompt_tokens - plan.uncached
+            self.model.observe_prefill(d.worker, plan.uncached, cached, ms)
+
+    async def _split(
+        self,
+        r: ClientRequest,
+        send: Send,
+        local: Local,
+        plan: m.Plan,
+        pdec: Decision,
+        doc: dict[str, Any],
+    ) -> None:
+        assert plan.prefill is not None
+        answer = await self._prefill(r, plan, pdec, doc)
+        if answer is None:
+            await self._local(r, send, local, plan, learn=False)
+            return
+        self.metrics.prefill_leg.observe(answer.seconds)
+        await self._decode(r, send, local, plan, answer.params)
+
+    async def _prefill(
+        self, r: ClientRequest, plan: m.Plan, pdec: Decision, doc: dict[str, Any]
+    ) -> PrefillAnswer | None:
+        worker = plan.prefill
+        assert worker is not None
+        h = self.pool.handle_of(worker)
+        state = self.svc.fleet.workers[worker]
+        if h is None:
+            return None
+        ticket = self.svc.start(pdec, worker)
+        try:
+            answer = await prefill_leg(
+                self.upstream, h, r, doc, state.rank, self.config, state.block_size
+            )
+        except LegFailed as exc:
+            self._prefill_failed(worker, ticket, exc)
+            return None
+        except asyncio.CancelledError:
+            self.svc.finish(ticket, status=0, outcome="client_disconnected")
+            raise
+        self.svc.first_token(ticket)
+        self.svc.finish(ticket, status=200, cached_tokens=answer.cached_tokens)
+        self.pool.note_answered(worker)
+        s = pdec.score_of(worker)
+        cached = cached_tokens(s, pdec.prompt_tokens)
+        self.model.observe_prefill(
+            worker, pdec.prompt_tokens - cached, cached, answer.seconds * 1000
+        )
+        return answer
+
+    def _prefill_failed(self, worker: str, ticket: Ticket, exc: LegFailed) -> None:
+        log.warning(
+            "prefill leg on %s failed (%s): prefilling on the decode worker", worker, exc.detail
+        )
+        if exc.status:  # it answered: an HTTP error, or params unfit to forward
+            self.svc.finish(ticket, status=exc.status)
+        else:
+            outcome = "timeout" if exc.cause == "prefill_timeout" else "connect_failed"
+            self.svc.finish(ticket, status=0, outcome=outcome)
+        self.metrics.fallbacks.labels(exc.cause).inc()
+        if exc.orphan:
+            self.metrics.orphans.labels(worker, "bad_params").inc()
+        if exc.cause == "prefill_timeout":
+            self.pool.note_timeout(worker, "prefill leg")
+        elif exc.cause == "prefill_failed" and exc.detail.startswith(("connect", "closed")):
+            self.pool.eject(worker, f"prefill leg: {exc.detail}")
+
+    async def _decode(
+        self, r: ClientRequest, send: Send, local: Local, plan: m.Plan, params: dict[str, Any]
+    ) -> None:
+        worker = plan.decode
+        h = self.pool.handle_of(worker)
+        state = self.svc.fleet.workers[worker]
+        assert h is not None
+        body = r.body if self.config.pd_fault_strip_params else decode_body(r.body, params)
+        timeouts = decode_timeouts(
+            self.config, r.rin.stream, self.model.transfer_ms(plan.uncached), plan.uncached
+        )
+        ticket = self.svc.start(r.decision, worker)
+        sent = time.perf_counter()
+
+        def first_byte() -> None:
+            self.svc.first_token(ticket)
+            r.first_byte = time.perf_counter()
+
+        self.verifier.started(worker)
+        proved: int | None = None
+        try:
+            result = await decode_leg(
+                self.forwarder, h, worker, r, body, state.rank, send, timeouts, first_byte
+            )
+            proved = self._decoded(r, plan, ticket, result, sent)
+        except ConnectFailed as exc:
+            await self._decode_unsent(r, send, local, plan, ticket, exc)
+        except asyncio.CancelledError:
+            if r.first_byte is not None:  # the first token came: the pull happened
+                proved = self._learn_split(r, plan, sent)
+            self._decode_gone(r, plan, ticket, "client_disconnected")
+            raise
+        except UpstreamError:
+            self._decode_gone(r, plan, ticket, "worker_failed")
+            raise
+        finally:
+            self.verifier.ended(worker, proved)
+
+    def _decoded(
+        self, r: ClientRequest, plan: m.Plan, ticket: Ticket, result: Outcome, sent: float
+    ) -> int | None:
+        """The decode leg answered; what its pull should prove (None: nothing)."""
+        self.svc.finish(ticket, status=result.status)  # its cached_tokens are the prefill's
+        self.pool.note_answered(plan.decode)
+        if result.status != 200 or result.broken is not None:
+            cause = result.broken or f"http_{result.status}"
+            self.metrics.decode_errors.labels(plan.decode, cause).inc()
+            return None
+        return self._learn_split(r, plan, sent)
+
+    def _learn_split(self, r: ClientRequest, plan: m.Plan, sent: float) -> int:
+        """A split's first token came: its handoff latency, and what the decode leg's time
+        to first token says of the overhead. Returns the tokens its pull must prove."""
+        if r.first_byte is not None:
+            self.metrics.handoff.observe(r.first_byte - r.started)
+            if r.rin.stream:
+                ttft = (r.first_byte - sent) * 1000
+                self.model.observe_overhead(
+                    plan.decode, ttft, plan.uncached, r.decision.prompt_tokens
+                )
+        return plan.uncached
+
+    async def _decode_unsent(
+        self,
+        r: ClientRequest,
+        send: Send,
+        local: Local,
+        plan: m.Plan,
+        ticket: Ticket,
+        exc: ConnectFailed,
+    ) -> None:
+        """Nothing reached the client. A decode worker that may hold the request (it timed
+        out, or closed after taking it) may be pulling: one error. One that never took it:
+        prefill there locally instead, by the proxy's way (which tries the next worker)."""
+        self.svc.finish(ticket, status=0, outcome="connect_failed")
+        self.metrics.orphans.labels(plan.prefill or "?", "decode_failed").inc()
+        if reached_worker(exc):
+            self.metrics.decode_errors.labels(plan.decode, "timeout").inc()
+            raise UpstreamTimeout(
+                "the decode worker did not answer in time", detail=f"{plan.decode}: {exc.detail}"
+            )
+        self.pool.eject(plan.decode, f"decode leg: {exc.detail}")
+        self.metrics.fallbacks.labels("decode_unreachable").inc()
+        await local(r, send)
+
+    def _decode_gone(self, r: ClientRequest, plan: m.Plan, ticket: Ticket, outcome: str) -> None:
+        self.svc.finish(
+            ticket, status=0 if outcome == "client_disconnected" else 502, outcome=outcome
+        )
+        if r.first_byte is None:  # the pull may never have happened
+            self.metrics.orphans.labels(plan.prefill or "?", outcome).inc()
+        if outcome != "client_disconnected":
+            self.metrics.decode_errors.labels(plan.decode, outcome).inc()
+
+    # ---- what the control endpoints show ----------------------------------------------
+
+    async def explain(
+        self, decision: Decision, rin: RoutingInput, doc: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The P/D part of `/debug/route`."""
+        plan, pdec = await self.plan(decision, rin, doc)
+        out: dict[str, Any] = {
+            "decision": "split" if plan.split else "local",
+            "reason": plan.reason,
+            "decode_worker": plan.decode,
+            "prefill_worker": plan.prefill,
+            "uncached_tokens": plan.uncached,
+            "terms_ms": {k: round(v, 2) for k, v in plan.terms.items()},
+            "threshold": self.config.pd_threshold,
+            "estimates": self.model.snapshot(),
+            "prefill_fits": self.model.fits_doc(),
+            "explain": plan.explain(),
+        }
+        if pdec is not None:
+            out["prefill_explain"] = pdec.explain()
+        return out
+
+    def health(self) -> dict[str, Any] | None:
+        """The P/D part of `/health` (None without prefill workers): degraded, with the
+        decode workers named, when a split was not proved or a pull failed."""
+        if not self.active:
+            return None
+        problems = self.verifier.problems()
+        problems |= self.calibration.problems()
+        doc: dict[str, Any] = {
+            "status": "degraded" if problems else "ok",
+            "threshold": self.config.pd_threshold,
+            "calibration": self.calibration.state,
+            **self.model.snapshot(),
+            **self.verifier.totals(),
+            "workers": sorted(problems),
+            "problems": [p for p, _ in problems.values()],
+        }
+        fixes = [f for _, f in problems.values() if f]
+        if fixes:
+            doc["fix"] = "; ".join(dict.fromkeys(fixes))
+        if self.config.pd_fault_strip_params:
+            doc["test_fault"] = "pd_fault_strip_params: decode legs are sent without their params"
+        return doc

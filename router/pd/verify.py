@@ -1,0 +1,161 @@
+"""Reading the decode workers' metrics after splits: every split proved or counted as a
+silent recompute, failed pulls counted, and what the counters say about the link and the
+KV size fed to the cost model. Its findings make `/health` degraded (200, named).
+
+One loop, owned by the P/D door (started and stopped with the app): a decode worker is
+scraped only while some of its splits wait for proof, at most every `interval_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from engines.sim.pd_metrics import PDSnapshot, pd_snapshot
+from router.pd.ledger import Ledger, Outcome
+from router.pd.metrics import PDMetrics
+from router.pd.model import CostModel
+from router.workers import WorkerPool
+
+log = logging.getLogger("kvroute.pd")
+
+SILENT_FIX = (
+    "the decode leg reached the worker without its kv_transfer_params, or the worker has no "
+    'KV connector: start it with --kv-transfer-config \'{"kv_connector":"NixlConnector",'
+    '"kv_role":"kv_consumer"}\', make sure nothing between kvroute and the worker drops '
+    "request fields, and never run kvroute with --pd-fault-strip-params (a test fault)"
+)
+FAILED_FIX = (
+    "the decode worker could not read the prefill worker's KV: the prefill worker's NIXL "
+    "side channel (VLLM_NIXL_SIDE_CHANNEL_HOST / _PORT) must be reachable from the decode "
+    "worker, and both must run the same model, dtype and block size"
+)
+
+
+@dataclass
+class WorkerAccount:
+    """Totals and the current problem of one decode worker."""
+
+    verified: int = 0
+    silent: int = 0
+    failed_pulls: float = 0.0
+    bytes: float = 0.0
+    problem: str | None = None
+    fix: str | None = None
+
+
+@dataclass
+class Verifier:
+    pool: WorkerPool
+    model: CostModel
+    metrics: PDMetrics
+    interval_s: float = 0.5
+    ledgers: dict[str, Ledger] = field(default_factory=dict)
+    accounts: dict[str, WorkerAccount] = field(default_factory=dict)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+
+    # ---- the door's side --------------------------------------------------------------
+
+    def started(self, endpoint: str) -> None:
+        self._ledger(endpoint).inflight += 1
+
+    def ended(self, endpoint: str, proved_tokens: int | None) -> None:
+        """A decode leg ended; `proved_tokens`: what its pull should show (None: it failed,
+        nothing to prove)."""
+        ledger = self._ledger(endpoint)
+        ledger.inflight -= 1
+        if proved_tokens is not None and ledger.last is not None:
+            ledger.expect(proved_tokens)
+        self._wake.set()  # a worker without a baseline gets one (this split goes unproved)
+
+    def _ledger(self, endpoint: str) -> Ledger:
+        return self.ledgers.setdefault(self._worker(endpoint), Ledger())
+
+    def _worker(self, endpoint: str) -> str:
+        h = self.pool.handle_of(endpoint)
+        return h.name if h is not None else endpoint
+
+    # ---- the loop ---------------------------------------------------------------------
+
+    async def baseline(self, endpoints: list[str]) -> None:
+        """First snapshots: splits are proved against these."""
+        await asyncio.gather(*(self._check(self._worker(e)) for e in endpoints))
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await asyncio.sleep(self.interval_s)  # let the metrics catch up, batch splits
+            due = [w for w, led in self.ledgers.items() if led.pending_splits or led.last is None]
+            await asyncio.gather(*(self._check(w) for w in due))
+
+    async def _check(self, worker: str) -> None:
+        snap = await self._scrape(worker)
+        if snap is not None:
+            self._record(worker, self.ledgers.setdefault(worker, Ledger()).apply(snap))
+
+    async def _scrape(self, worker: str) -> PDSnapshot | None:
+        h = self.pool.handles.get(worker)
+        if h is None:
+            return None
+        with contextlib.suppress(httpx.HTTPError):
+            resp = await self.pool.client.get(f"{h.url}/metrics", headers=h.auth)
+            if resp.status_code == 200:
+                return pd_snapshot(resp.text)
+        return None
+
+    def _record(self, worker: str, out: Outcome) -> None:
+        a = self.accounts.setdefault(worker, WorkerAccount())
+        m = self.metrics
+        a.verified += out.verified
+        a.silent += out.silent
+        a.failed_pulls += out.failed_pulls
+        a.bytes += out.bytes
+        m.verified.labels(worker).inc(out.verified)
+        m.silent.labels(worker).inc(out.silent)
+        m.failed_pulls.labels(worker).inc(out.failed_pulls)
+        m.kv_bytes.labels(worker).inc(out.bytes)
+        self.model.observe_transfer(out.bytes, out.xfer_seconds, out.external_tokens)
+        self._judge(worker, a, out)
+
+    def _judge(self, worker: str, a: WorkerAccount, out: Outcome) -> None:
+        """The latest finding stands until a later check proves splits again."""
+        if out.silent:
+            a.problem = (
+                f"decode worker {worker} answered {out.silent} split request(s) without pulling "
+                f"their KV: its external_kv_transfer tokens grew by {out.observed_tokens:.0f}, "
+                f"the splits needed {out.expected_tokens} (a silent recompute)"
+            )
+            a.fix = SILENT_FIX
+            log.error("%s; fix: %s", a.problem, a.fix)
+        elif out.failed_pulls:
+            a.problem = (
+                f"decode worker {worker}: {out.failed_pulls:.0f} KV pull(s) failed "
+                "(vllm:nixl_num_failed_transfers)"
+            )
+            a.fix = FAILED_FIX
+            log.error("%s; fix: %s", a.problem, a.fix)
+        elif out.verified:
+            a.problem = a.fix = None
+
+    # ---- what /health shows -----------------------------------------------------------
+
+    def totals(self) -> dict[str, Any]:
+        accounts = self.accounts.values()
+        return {
+            "verified_handoffs": sum(a.verified for a in accounts),
+            "silent_recomputes": sum(a.silent for a in accounts),
+            "failed_pulls": int(sum(a.failed_pulls for a in accounts)),
+            "kv_bytes_moved": int(sum(a.bytes for a in accounts)),
+        }
+
+    def problems(self) -> dict[str, tuple[str, str]]:
+        """worker -> (problem, fix), for the workers whose last check found one."""
+        return {
+            w: (a.problem, a.fix or "") for w, a in self.accounts.items() if a.problem is not None
+        }

@@ -1,0 +1,206 @@
+"""The P/D door against scripted workers: vLLM NixlConnector's protocol exactly, and what
+each failure of a leg means for the client (fallback, one error, aborted legs, orphans
+counted). Real NIXL handoffs between simulated workers: test_pd_router.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from pd_fakes import (
+    decode_stream,
+    decode_waits_for_client,
+    good_params,
+    pd_router,
+    prefill_hangs,
+    prefill_ok,
+    prefill_status,
+)
+
+from router.pd.wire import PREFILL_PARAMS
+
+pytestmark = pytest.mark.timeout(120)
+
+PROMPT = " ".join(f"word{i}" for i in range(300))
+CLIENT = {
+    "model": "m",
+    "prompt": PROMPT,
+    "max_tokens": 7,
+    "min_tokens": 2,
+    "temperature": 0.0,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+    "seed": 3,
+}
+
+
+async def sse(
+    client: Any, body: dict[str, Any], path: str = "/v1/completions"
+) -> tuple[int, str, dict[str, str]]:
+    async with client.stream("POST", path, json=body, headers={"x-request-id": "rid-1"}) as r:
+        text = "".join([chunk async for chunk in r.aiter_text()])
+        return r.status_code, text, dict(r.headers)
+
+
+async def test_the_legs_follow_the_nixl_connector_protocol() -> None:
+    async with pd_router(prefill_ok(), decode_stream()) as s:
+        status, text, headers = await sse(s.client, CLIENT)
+        assert status == 200 and "t2" in text and text.endswith("data: [DONE]\n\n")
+        assert headers["x-kvroute-pd"].startswith("split prefill=")
+        assert headers["x-kvroute-worker"] == s.names["decode"]
+        (p,), (d,) = s.prefill.seen, s.decode.seen
+        assert p.body["stream"] is False and p.body["max_tokens"] == 1
+        assert "stream_options" not in p.body and "min_tokens" not in p.body
+        assert p.body["kv_transfer_params"] == PREFILL_PARAMS
+        assert {k: v for k, v in p.body.items() if k in ("seed", "temperature", "prompt")} == {
+            "seed": 3,
+            "temperature": 0.0,
+            "prompt": PROMPT,
+        }
+        sent_params = d.body.pop("kv_transfer_params")
+        assert d.body == CLIENT  # the client's request, untouched
+        assert sent_params == good_params(len(json.dumps(p.body)) // 16 + 4)
+        assert p.headers["x-request-id"] == d.headers["x-request-id"] == "rid-1"
+        assert await s.metric('kvroute_pd_decisions_total{decision="split"') == 1
+
+
+async def test_a_chat_prefill_leg_caps_max_completion_tokens() -> None:
+    async with pd_router(prefill_ok(), decode_stream()) as s:
+        chat = {"messages": [{"role": "user", "content": PROMPT}], "max_completion_tokens": 9}
+        status, _, _ = await sse(s.client, {**chat, "stream": True}, "/v1/chat/completions")
+        assert status == 200
+        p = s.prefill.seen[0].body
+        assert p["max_tokens"] == 1 and p["max_completion_tokens"] == 1
+        assert s.decode.seen[0].body["max_completion_tokens"] == 9
+
+
+@pytest.mark.parametrize(
+    ("prefill", "cause"),
+    [
+        (prefill_status(500), "prefill_failed"),
+        (
+            prefill_ok(lambda seen: {**good_params(50), "remote_block_ids": list(range(50))}),
+            "prefill_bad_params",
+        ),
+        (prefill_ok(lambda seen: good_params(2)), "prefill_bad_params"),
+        (prefill_ok(lambda seen: None), "prefill_bad_params"),
+    ],
+    ids=["http-500", "flat-block-list", "too-few-blocks", "no-params"],
+)
+async def test_a_failed_prefill_leg_falls_back_to_a_local_prefill(prefill: Any, cause: str) -> None:
+    async with pd_router(prefill, decode_stream()) as s:
+        status, text, _ = await sse(s.client, CLIENT)
+        assert status == 200 and "t2" in text
+        (d,) = s.decode.seen
+        assert "kv_transfer_params" not in d.body  # malformed params never reach vLLM
+        assert d.body == CLIENT
+        assert await s.metric(f'kvroute_pd_local_fallbacks_total{{cause="{cause}"}}') == 1
+
+
+async def test_a_hung_prefill_leg_times_out_into_a_local_prefill() -> None:
+    async with pd_router(prefill_hangs(), decode_stream(), first_byte_timeout_s=0.5) as s:
+        status, _, _ = await sse(s.client, CLIENT)
+        assert status == 200
+        assert "kv_transfer_params" not in s.decode.seen[0].body
+        assert await s.metric('kvroute_pd_local_fallbacks_total{cause="prefill_timeout"}') == 1
+
+
+async def test_a_decode_leg_waiting_on_its_pull_is_not_a_hung_worker() -> None:
+    # the first-byte timeout is shorter than the pull: the leg gets room for the transfer,
+    # and the decode worker is neither timed out nor ejected
+    async with pd_router(prefill_ok(), decode_stream(delay_s=1.5), first_byte_timeout_s=0.5) as s:
+        for i in range(3):  # distinct prompts: a repeat is cached on the decode worker
+            status, text, _ = await sse(s.client, {**CLIENT, "prompt": f"{i} {PROMPT}"})
+            assert status == 200 and "t2" in text
+        h = s.app.pool.handles[s.names["decode"]]
+        assert h.available and h.timeouts == 0
+
+
+async def test_a_decode_leg_dying_mid_stream_is_one_error_never_a_second_stream() -> None:
+    async with pd_router(prefill_ok(), decode_stream(die_after=1)) as s:
+        status, text, _ = await sse(s.client, CLIENT)
+        assert status == 200
+        assert text.count('"error"') == 1 and text.endswith("data: [DONE]\n\n")
+        assert len(s.prefill.seen) == 1 and len(s.decode.seen) == 1
+
+
+async def test_a_client_gone_during_the_decode_leg_aborts_it() -> None:
+    async with pd_router(prefill_ok(), decode_waits_for_client()) as s:
+        async with s.client.stream("POST", "/v1/completions", json=CLIENT) as r:
+            async for _ in r.aiter_text():
+                break  # the first token arrived; hang up
+        await asyncio.wait_for(s.decode.seen[0].gone.wait(), 5)
+
+
+async def test_a_client_gone_during_the_prefill_leg_aborts_it_and_sends_no_decode() -> None:
+    async with pd_router(prefill_hangs(), decode_stream()) as s:
+        task = asyncio.create_task(sse(s.client, CLIENT))
+        for _ in range(100):
+            if s.prefill.seen:
+                break
+            await asyncio.sleep(0.02)
+        task.cancel()
+        await asyncio.wait_for(s.prefill.seen[0].gone.wait(), 5)
+        await asyncio.sleep(0.2)
+        assert s.decode.seen == []
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [({"n": 2}, "not_splittable"), ({"echo": True}, "not_splittable")],
+    ids=["n-2", "echo"],
+)
+async def test_requests_the_engine_cannot_hand_off_stay_local(
+    extra: dict[str, Any], reason: str
+) -> None:
+    async with pd_router(prefill_ok(), decode_stream()) as s:
+        status, _, headers = await sse(s.client, {**CLIENT, **extra})
+        assert status == 200 and headers["x-kvroute-pd"] == f"local reason={reason}"
+        assert s.prefill.seen == []
+
+
+async def test_a_clients_own_kv_transfer_params_are_refused() -> None:
+    async with pd_router(prefill_ok(), decode_stream()) as s:
+        r = await s.client.post(
+            "/v1/completions", json={**CLIENT, "kv_transfer_params": good_params(3)}
+        )
+        assert r.status_code == 400 and "kv_transfer_params" in r.text
+        assert s.prefill.seen == [] and s.decode.seen == []
+
+
+async def test_a_split_the_decode_worker_did_not_pull_degrades_health() -> None:
+    async with pd_router(prefill_ok(), decode_stream(pull=False)) as s:
+        await asyncio.sleep(0.3)  # the verifier's baseline
+        assert (await sse(s.client, CLIENT))[0] == 200
+        for _ in range(50):
+            health = await s.client.get("/health")
+            if health.json()["pd"]["silent_recomputes"]:
+                break
+            await asyncio.sleep(0.05)
+        doc = health.json()
+        assert health.status_code == 200 and doc["status"] == "degraded"
+        assert doc["pd"]["status"] == "degraded" and doc["pd"]["workers"] == [s.names["decode"]]
+        assert "silent recompute" in doc["pd"]["problems"][0] and "kv_consumer" in doc["pd"]["fix"]
+
+
+async def test_a_proved_split_keeps_health_ok() -> None:
+    async with pd_router(prefill_ok(), decode_stream()) as s:
+        await asyncio.sleep(0.3)
+        assert (await sse(s.client, CLIENT))[0] == 200
+        for _ in range(50):
+            doc = (await s.client.get("/health")).json()
+            if doc["pd"]["verified_handoffs"]:
+                break
+            await asyncio.sleep(0.05)
+        assert doc["status"] == "ok" and doc["pd"]["verified_handoffs"] == 1
+        assert doc["pd"]["kv_bytes_moved"] == s.decode.nixl_bytes > 0
+
+
+async def test_debug_route_explains_the_pd_decision() -> None:
+    async with pd_router(prefill_ok(), decode_stream(), pd_threshold="auto") as s:
+        doc = (await s.client.post("/debug/route", json={"prompt": PROMPT})).json()
+        assert doc["profile"] == "decode" and doc["winner"] == s.names["decode"]
+        assert doc["pd"]["decision"] == "local" and doc["pd"]["reason"] == "link_unknown"
+        assert "uncached tokens" in doc["pd"]["explain"]
