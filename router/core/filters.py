@@ -87,9 +87,14 @@ class AvailableFilter:
     def exclude(
         self, req: RouteRequest, cands: Sequence[Candidate], fleet: FleetState
     ) -> dict[str, str]:
-        return {
-            c.name: "failing health checks" for c in cands if not fleet.workers[c.name].available
-        }
+        out = {}
+        for c in cands:
+            w = fleet.workers[c.name]
+            if not w.available:
+                out[c.name] = "failing health checks"
+            elif w.draining:
+                out[c.name] = "draining"
+        return out
 
     def when_empty(
         self, req: RouteRequest, excluded: Mapping[str, str], fleet: FleetState
