@@ -131,12 +131,12 @@ class DecisionService:
             return await self._remote_tokens(rin)
         if rin.kind == "chat":
             assert rin.messages is not None
-            return tok.chat(
+            return await tok.achat(
                 rin.messages,
                 add_generation_prompt=rin.add_generation_prompt,
                 extra=rin.template_extra,
             )
-        return tok.completion(rin.prompt_text or "")
+        return await tok.acompletion(rin.prompt_text or "")
 
     async def _remote_tokens(self, rin: RoutingInput) -> Sequence[int]:
         """A worker of the model's pool tokenizes (its own /tokenize), cached by content."""
