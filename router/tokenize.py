@@ -47,7 +47,8 @@ PACKAGED_TOKENIZER = (
     Path(__file__).resolve().parent.parent / "engines" / "sim" / "data" / "tokenizer"
 )
 
-PIECE_CHARS = 256  # ~100 tokens a piece: see tokenize_bench for the trade-off
+PIECE_CHARS = 256  # coarse pieces (~100 tokens): few lookups over a long known prefix
+FINE_CHARS = 32  # fine pieces where a prompt leaves the known text: little to re-encode
 INLINE_CHARS = 1024  # encode at most this much on the event loop (thread hop vs work)
 
 _pool: ThreadPoolExecutor | None = None
@@ -64,10 +65,9 @@ def _executor() -> ThreadPoolExecutor:
 
 @dataclass
 class _Plan:
-    """A text's pieces: the ones already known (`walk`) and the `rest` to encode."""
+    """A text's pieces: the ones already known and the rest to encode (`walk`)."""
 
     walk: Walk
-    rest: list[str]
     chars: int
 
 
@@ -80,6 +80,7 @@ class LocalTokenizer:
         cache_items: int = 4096,
         *,
         piece_chars: int = PIECE_CHARS,
+        fine_chars: int = FINE_CHARS,
         inline_chars: int = INLINE_CHARS,
     ) -> None:
         folder = Path(folder)
@@ -91,6 +92,10 @@ class LocalTokenizer:
                 param="tokenizer",
             )
         self.folder = folder
+        # Parallelism comes from requests in threads; rayon spreading one request's pieces
+        # over the cores spun and doubled the CPU per request (tokenize_bench). An
+        # operator's explicit setting wins.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self._tok = Tokenizer.from_file(str(tok_file))
         cfg_file = folder / "tokenizer_config.json"
         cfg: dict[str, Any] = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
@@ -102,6 +107,7 @@ class LocalTokenizer:
         self.cache = TokenCache(cache_items)
         self.pieces = PieceStore()
         self.piece_chars = piece_chars
+        self.fine_chars = fine_chars
         self.inline_chars = inline_chars
         self.split = self._check_split(json.loads(tok_file.read_text()))
 
@@ -183,27 +189,27 @@ class LocalTokenizer:
         if hit is not None:
             return hit
         plan = self._plan(text)
-        return self._finish(key, plan, self._encode(plan.rest, specials), specials)
+        return self._finish(key, plan, self._encode(plan.walk.rest, specials), specials)
 
     async def _atokens(self, key: Any, text: str, *, specials: bool) -> Tokens:
         hit = self.cache.get(key)
         if hit is not None:
             return hit
         plan = self._plan(text)
+        rest = plan.walk.rest
         if plan.chars <= self.inline_chars:
-            new = self._encode(plan.rest, specials)
+            new = self._encode(rest, specials)
         else:
             loop = asyncio.get_running_loop()
-            new = await loop.run_in_executor(_executor(), self._encode, plan.rest, specials)
+            new = await loop.run_in_executor(_executor(), self._encode, rest, specials)
         return self._finish(key, plan, new, specials)
 
     def _plan(self, text: str) -> _Plan:
         if self.split is None:
-            return _Plan(Walk(), [text], len(text))
-        cut = pieces(text, self.piece_chars)
-        walk = self.pieces.walk(cut)
-        rest = cut[walk.found :]
-        return _Plan(walk, rest, sum(map(len, rest)))
+            return _Plan(Walk(rest=[text]), len(text))
+        fine = self.fine_chars
+        walk = self.pieces.walk(pieces(text, self.piece_chars), lambda p: pieces(p, fine))
+        return _Plan(walk, sum(map(len, walk.rest)))
 
     def _encode(self, texts: list[str], specials: bool) -> list[bytes]:
         """Ids of each text as array('I') bytes. Runs in a worker thread for big texts:
@@ -215,14 +221,11 @@ class LocalTokenizer:
     def _finish(self, key: Any, plan: _Plan, new: list[bytes], specials: bool) -> Tokens:
         split = self.split
         out = Tokens(split.head if split is not None and specials else ())
-        for raw in plan.walk.known:
-            out.frombytes(raw)
-        for raw in new:
-            out.frombytes(raw)
+        out.frombytes(b"".join([*plan.walk.known, *new]))
         if split is not None:
             if specials:
                 out.extend(split.tail)
-            self.pieces.add(plan.walk.parent, plan.rest, new)
+            self.pieces.add(plan.walk, new)
         return self.cache.put(key, out)
 
 

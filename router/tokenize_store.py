@@ -18,7 +18,7 @@ import itertools
 import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -81,18 +81,28 @@ _NODE_OVERHEAD = 200  # bytes per piece beyond its text and ids: key tuple, valu
 
 @dataclass
 class Walk:
-    """How far a prompt's pieces are known: ids of the first `found` pieces (array('I')
-    bytes), and the node the next piece hangs from."""
+    """How far a prompt is known: ids of the pieces found (array('I') bytes), the node the
+    next piece hangs from, the pieces still to encode, and the coarse piece that was walked
+    in fine pieces (its parent node, its text, its fine pieces known and left)."""
 
-    found: int = 0
     parent: int = 0
     known: list[bytes] = field(default_factory=list)
+    rest: list[str] = field(default_factory=list)
+    split: tuple[int, str, int, int] | None = None
 
 
 class PieceStore:
     """Ids of prompt pieces, keyed by (node id of everything before, piece text); bounded in
     bytes (LRU), and a prompt keeps at most `max_prompt_bytes` of pieces (its first ones:
-    the shared part of real traffic is the beginning)."""
+    the shared part of real traffic is the beginning).
+
+    A node id stands for one exact text (everything up to and including its piece), however
+    it was cut, so coarse and fine pieces share the tree: coarse pieces make the walk over a
+    long known prefix cheap; the coarse piece where a prompt leaves the known text is walked
+    again in fine pieces, so only the text after the last shared fine piece is new; and once
+    its fine pieces are all known, the coarse piece is added as one node ending at the same
+    id, so the next walk over it is one step again.
+    """
 
     def __init__(self, max_bytes: int = 64 << 20, max_prompt_bytes: int = 8 << 20) -> None:
         self._nodes: OrderedDict[tuple[int, str], tuple[int, bytes]] = OrderedDict()
@@ -103,37 +113,62 @@ class PieceStore:
         self.hits = 0
         self.misses = 0
 
-    def walk(self, pieces: Sequence[str]) -> Walk:
+    def walk(self, pieces: Sequence[str], refine: Callable[[str], list[str]]) -> Walk:
+        """Follow `pieces` (coarse) from the root; at the first unknown one, follow its
+        `refine`d (fine) pieces; what is left is `rest`."""
         w = Walk()
-        nodes = self._nodes
-        for piece in pieces:
-            node = nodes.get((w.parent, piece))
-            if node is None:
+        nodes, known, parent = self._nodes, w.known, 0
+        for i, piece in enumerate(pieces):
+            node = nodes.get((parent, piece))
+            if node is not None:
+                nodes.move_to_end((parent, piece))
+                parent = node[0]
+                known.append(node[1])
+                continue
+            start, fine, k = parent, refine(piece), 0
+            for sub in fine:
+                node = nodes.get((parent, sub))
+                if node is None:
+                    break
+                nodes.move_to_end((parent, sub))
+                parent = node[0]
+                known.append(node[1])
+                k += 1
+            if k < len(fine):
+                w.rest = [*fine[k:], *pieces[i + 1 :]]
+                w.split = (start, piece, k, len(fine) - k)
                 break
-            nodes.move_to_end((w.parent, piece))
-            w.parent = node[0]
-            w.known.append(node[1])
-            w.found += 1
-        self.hits += w.found
-        self.misses += len(pieces) - w.found
+            self._put((start, piece), parent, b"".join(known[-k:]))
+        w.parent = parent
+        self.hits += len(known)
+        self.misses += len(w.rest)
         return w
 
-    def add(self, parent: int, pieces: Sequence[str], ids: Sequence[bytes]) -> None:
-        """Remember `pieces` (following node `parent`) and their ids (array('I') bytes), as
-        far as the per-prompt share allows."""
-        spent = 0
-        for piece, raw in zip(pieces, ids, strict=True):
-            size = _size(piece, raw)
-            spent += size
+    def add(self, w: Walk, ids: Sequence[bytes]) -> None:
+        """Remember `w.rest` (after node `w.parent`) with their ids (array('I') bytes), as
+        far as the per-prompt share allows, and the coarse piece that was split."""
+        parent, spent, ends = w.parent, 0, []
+        for piece, raw in zip(w.rest, ids, strict=True):
+            spent += _size(piece, raw)
             if spent > self.max_prompt_bytes:
                 break
-            key = (parent, piece)
-            node = self._nodes.get(key)
-            if node is None:
-                node = self._nodes[key] = (next(self._next_id), raw)
-                self.bytes += size
-            parent = node[0]
+            parent = self._put((parent, piece), next(self._next_id), raw)
+            ends.append(parent)
+        if w.split is not None and len(ends) >= w.split[3]:
+            start, piece, k, new = w.split
+            raw = b"".join([*w.known[len(w.known) - k :], *ids[:new]])
+            if spent + _size(piece, raw) <= self.max_prompt_bytes:
+                self._put((start, piece), ends[new - 1], raw)
         self._evict()
+
+    def _put(self, key: tuple[int, str], node_id: int, raw: bytes) -> int:
+        """The id of the node at `key`, added (as `node_id`, `raw`) if it is new."""
+        node = self._nodes.get(key)
+        if node is None:
+            self._nodes[key] = (node_id, raw)
+            self.bytes += _size(key[1], raw)
+            return node_id
+        return node[0]
 
     def _evict(self) -> None:
         while self.bytes > self.max_bytes and self._nodes:

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from router.textgen import filler
 from router.tokenize import PACKAGED_TOKENIZER, LocalTokenizer
 from router.tokenize_split import Splittable, cut_points, pieces, splittable
-from router.tokenize_store import PieceStore, TokenCache, Tokens
+from router.tokenize_store import PieceStore, TokenCache, Tokens, Walk
 
 SPEC: dict[str, Any] = json.loads((PACKAGED_TOKENIZER / "tokenizer.json").read_text())
 
@@ -156,6 +156,22 @@ def test_known_prefix_is_reused_not_re_encoded(raw: Tokenizer) -> None:
     assert tok.pieces.hits >= 2 * (len(cut_points(doc, 64)) - 1)
 
 
+def test_only_the_text_after_the_shared_part_is_encoded() -> None:
+    tok = LocalTokenizer(PACKAGED_TOKENIZER, piece_chars=256, fine_chars=32)
+    doc = filler_text(1000)
+
+    def walk(text: str) -> Walk:
+        return tok.pieces.walk(pieces(text, 256), lambda p: pieces(p, 32))
+
+    tok.completion(doc)
+    tok.completion(doc + " first tail")
+    third = walk(doc + " the third question here")
+    assert sum(map(len, third.rest)) <= len(" the third question here") + 2 * 32
+    # one step per coarse piece before the split one, even those first stored as fine ones
+    assert third.split is not None
+    assert len(third.known) - third.split[2] <= len(pieces(doc, 256)) - 1
+
+
 def test_async_paths_equal_sync_inline_and_threaded(raw: Tokenizer) -> None:
     doc = filler_text(600)
     chat = [{"role": "system", "content": doc}, {"role": "user", "content": "Hi there, router"}]
@@ -223,7 +239,7 @@ def test_a_huge_prompt_keeps_only_its_share(raw: Tokenizer) -> None:
 def test_piece_store_evicts_to_its_budget() -> None:
     store = PieceStore(max_bytes=10_000, max_prompt_bytes=10_000)
     for i in range(200):
-        store.add(0, [f"piece {i} " * 4], [bytes(400)])
+        store.add(Walk(rest=[f"piece {i} " * 4]), [bytes(400)])
     assert 0 < store.bytes <= 10_000 and len(store) < 200
 
 
