@@ -21,13 +21,11 @@ Fast on real traffic, and exact:
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
 from array import array
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +36,7 @@ from router.core.errors import ConfigError
 from router.tokenize_chat import chat_template, flatten_content, render, token_text
 from router.tokenize_split import Splittable, pieces, splittable
 from router.tokenize_store import PieceStore, TokenCache, Tokens, Walk
+from router.tokenize_threads import in_threads
 
 __all__ = ["PACKAGED_TOKENIZER", "LocalTokenizer", "TokenCache", "Tokens", "flatten_content"]
 
@@ -47,20 +46,11 @@ PACKAGED_TOKENIZER = (
     Path(__file__).resolve().parent.parent / "engines" / "sim" / "data" / "tokenizer"
 )
 
-PIECE_CHARS = 256  # coarse pieces (~100 tokens): few lookups over a long known prefix
-FINE_CHARS = 32  # fine pieces where a prompt leaves the known text: little to re-encode
-INLINE_CHARS = 1024  # encode at most this much on the event loop (thread hop vs work)
-
-_pool: ThreadPoolExecutor | None = None
-
-
-def _executor() -> ThreadPoolExecutor:
-    """One pool per process for every tokenizer; its threads are daemon-like workers the
-    interpreter joins at exit."""
-    global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(min(4, os.cpu_count() or 2), "kvroute-tokenize")
-    return _pool
+# Measured with `python -m router.bench.tokenize` (see its JSON):
+PIECE_CHARS = 512  # coarse pieces (~200 tokens): few lookups over a long known prefix
+FINE_CHARS = 64  # fine pieces where a prompt leaves the known text: little to re-encode
+INLINE_CHARS = 512  # encode at most this much on the event loop: a thread hop costs the
+# loop about as much CPU as encoding ~100 characters, and adds ~100 us of wall time
 
 
 @dataclass
@@ -200,8 +190,7 @@ class LocalTokenizer:
         if plan.chars <= self.inline_chars:
             new = self._encode(rest, specials)
         else:
-            loop = asyncio.get_running_loop()
-            new = await loop.run_in_executor(_executor(), self._encode, rest, specials)
+            new = await in_threads(lambda run: self._encode(run, specials), rest)
         return self._finish(key, plan, new, specials)
 
     def _plan(self, text: str) -> _Plan:
