@@ -36,7 +36,7 @@ def _shares(items: Sequence[str], ways: int) -> list[list[str]]:
     runs: list[list[str]] = [[]]
     done = 0
     for item in items:
-        if done >= total * len(runs) / ways and runs[-1]:
+        if runs[-1] and len(runs) < ways and done + len(item) / 2 > total * len(runs) / ways:
             runs.append([])
         runs[-1].append(item)
         done += len(item)

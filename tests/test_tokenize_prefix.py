@@ -20,10 +20,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from router import tokenize_threads
 from router.textgen import filler
 from router.tokenize import PACKAGED_TOKENIZER, LocalTokenizer
 from router.tokenize_split import Splittable, cut_points, pieces, splittable
 from router.tokenize_store import PieceStore, TokenCache, Tokens, Walk
+from router.tokenize_threads import _shares, in_threads
 
 SPEC: dict[str, Any] = json.loads((PACKAGED_TOKENIZER / "tokenizer.json").read_text())
 
@@ -304,3 +306,29 @@ def test_unsupported_tokenizer_encodes_whole_and_stays_exact(tmp_path: Path) -> 
             _ids(raw, prompt + "!", specials=True)
         )
     assert tok.split is None and len(tok.pieces) == 0
+
+
+# ---- threads -------------------------------------------------------------------------------
+
+
+def test_shares_are_contiguous_and_balanced() -> None:
+    items = ["a" * n for n in (5, 1, 1, 1, 5, 3, 4)]
+    runs = _shares(items, 2)
+    assert [x for run in runs for x in run] == items and len(runs) == 2
+    assert abs(sum(map(len, runs[0])) - sum(map(len, runs[1]))) <= 5
+
+
+def test_spread_over_threads_keeps_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tokenize_threads, "WAYS", 3)
+    seen: list[list[str]] = []
+
+    def fn(run: list[str]) -> list[str]:
+        seen.append(run)
+        return [s.upper() for s in run]
+
+    items = [f"piece{i}" for i in range(10)]
+    assert asyncio.run(in_threads(fn, items)) == [s.upper() for s in items]
+    assert len(seen) == 3  # nothing else in flight: spread
+    seen.clear()
+    assert asyncio.run(in_threads(fn, items, spread=False)) == [s.upper() for s in items]
+    assert len(seen) == 1
