@@ -332,3 +332,13 @@ def test_spread_over_threads_keeps_order(monkeypatch: pytest.MonkeyPatch) -> Non
     seen.clear()
     assert asyncio.run(in_threads(fn, items, spread=False)) == [s.upper() for s in items]
     assert len(seen) == 1
+
+
+def test_memoized_block_hashes_are_kept_as_tuples_out_of_the_collectors_way() -> None:
+    """The picker stores lists in `hash_memo`; a full collection would walk them."""
+    tokens = Tokens(range(64))
+    tokens.hash_memo[(16, "ns")] = [1, 2, 3, 4]
+    stored = tokens.hash_memo[(16, "ns")]
+    assert stored == (1, 2, 3, 4)
+    gc.collect()
+    assert not gc.is_tracked(stored)
