@@ -7,6 +7,7 @@ forwarding in `router.proxy`; the router's own endpoints in `router.control`.
 
 from __future__ import annotations
 
+import gc
 import logging
 import random
 from typing import Any
@@ -151,6 +152,10 @@ class RouterApp:
         self.routing.started = True
         for door in self.doors:
             await door.start()
+        # the start-up heap (imports, tokenizers) never becomes garbage: keep full
+        # collections from walking it on the request path (measured ~30 ms -> ~0)
+        gc.collect()
+        gc.freeze()
 
     def start_draining(self) -> None:
         """SIGTERM: /ready turns 503 and every connection closes after its response."""

@@ -29,6 +29,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     px.add_argument("--seconds", type=int, default=5, help="per wrk run (default 5)")
     px.add_argument("--repeat", type=int, default=3, help="runs per point; medians (default 3)")
     px.add_argument("--only", nargs="+", help="targets to run: kvroute sglang-router vllm-router")
+    px.add_argument(
+        "--prompts",
+        nargs="+",
+        choices=("repeated", "shared-prefix", "distinct"),
+        help="prompt mixes (default: all three): one repeated prompt; a shared ~2k-token "
+        "prefix + distinct ~30-token tail; distinct ~2k-token prompts",
+    )
+    px.add_argument(
+        "--long",
+        type=int,
+        default=0,
+        metavar="SECONDS",
+        help="also one run this long at concurrency 1 per target and mix (p99 and max)",
+    )
     px.set_defaults(func=_proxy)
     _register_extproc(bsub)
     _register_routing(bsub)
@@ -116,7 +130,15 @@ def _pd(args: argparse.Namespace) -> int:
 def _proxy(args: argparse.Namespace) -> int:
     from router.bench.proxy import run
 
-    run(args.json, seconds=args.seconds, repeat=args.repeat, only=args.only, plot_path=args.plot)
+    run(
+        args.json,
+        seconds=args.seconds,
+        repeat=args.repeat,
+        only=args.only,
+        plot_path=args.plot,
+        prompts=args.prompts,
+        long_seconds=args.long,
+    )
     return 0
 
 

@@ -167,12 +167,12 @@ class DecisionService:
         try:
             if rin.kind == "chat":
                 assert rin.messages is not None
-                return tok.chat(
+                return await tok.achat(
                     rin.messages,
                     add_generation_prompt=rin.add_generation_prompt,
                     extra=rin.template_extra,
                 )
-            return tok.completion(rin.prompt_text or "")
+            return await tok.acompletion(rin.prompt_text or "")
         except (TypeError, ValueError) as exc:  # a chat template choking on odd messages
             raise BadRequest(f"the request cannot be tokenized: {exc}", param="messages") from None
 

@@ -6,6 +6,7 @@ Expected ids marked "real vLLM" were returned by vLLM 0.32.0's /tokenize serving
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from engines.sim import make_tokenizer
+from router.tokenize import LocalTokenizer, Tokens
+from router.tokenize_split import cut_points
 
 TOKENIZER_DIR = make_tokenizer.DEFAULT_OUT
 FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -125,6 +128,11 @@ def test_completion_prompt_matches_real_vllm(
     tokenizer: Tokenizer, prompt: str, expected: list[int]
 ) -> None:
     assert tokenizer.encode(prompt).ids == expected
+    # the router's path: cut at every safe point, pieces reused from a prompt seen before
+    local = LocalTokenizer(TOKENIZER_DIR, piece_chars=1)
+    local.completion(prompt + " and a different tail")
+    assert local.completion(prompt) == expected
+    assert local.pieces.hits >= len(cut_points(prompt, 1))
 
 
 @pytest.mark.parametrize("prompt", ["hello", "The cache router.", " leading space", "a\n\nb"])
@@ -142,14 +150,26 @@ def test_chat_template_text(config: dict[str, Any]) -> None:
     )
 
 
+CHAT_IDS = [
+    *[0, 2, 86, 475, 499, 202, 37, 72, 691, 981, 17, 3, 202, 2, 347, 265, 202, 43, 570, 82],
+    *[990, 3, 202, 2, 852, 1057, 202, 43, 76, 17, 3, 202, 2, 347, 265, 202, 53, 345, 72],
+    *[767, 17, 3, 202, 2, 852, 1057, 202],
+]
+
+
 def test_chat_tokens_match_real_vllm(tokenizer: Tokenizer, config: dict[str, Any]) -> None:
     # Chat prompts are encoded without automatic specials: the template carries the BOS.
     ids = tokenizer.encode(render_chat(config, CHAT, gen=True), add_special_tokens=False).ids
-    assert ids == [
-        *[0, 2, 86, 475, 499, 202, 37, 72, 691, 981, 17, 3, 202, 2, 347, 265, 202, 43, 570, 82],
-        *[990, 3, 202, 2, 852, 1057, 202, 43, 76, 17, 3, 202, 2, 347, 265, 202, 53, 345, 72],
-        *[767, 17, 3, 202, 2, 852, 1057, 202],
-    ]
+    assert ids == CHAT_IDS
+
+
+def test_router_chat_path_matches_real_vllm() -> None:
+    """Cut at every safe point, the earlier turns' pieces reused from a shorter chat."""
+    local = LocalTokenizer(TOKENIZER_DIR, piece_chars=1)
+    local.chat(CHAT[:3], add_generation_prompt=False)
+    assert local.chat(CHAT) == CHAT_IDS
+    assert local.pieces.hits > 0
+    assert asyncio.run(local.achat(CHAT)) == Tokens(CHAT_IDS)
 
 
 def test_chat_without_generation_prompt_ends_at_turn(

@@ -1,6 +1,10 @@
 """Check 4: tokenizer parity. kvroute's local tokenizer (`router.tokenize.LocalTokenizer`,
 pointed at the folder the engine loads) gives exactly the engine's `/tokenize` tokens, for
-completions and for chat (multi-turn, system prompts, list-of-parts content)."""
+completions and for chat (multi-turn, system prompts, list-of-parts content).
+
+The local tokenizer cuts prompts into small pieces here and sees every prompt again with a
+tail added, so what is compared is its prefix-reuse path (pieces of the prompt seen before,
+only the rest encoded), not only whole-prompt encoding."""
 
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ PROMPTS = [
     "word " * 300,
     "",
 ]
+TAILS = [" and then a different question?", "\n\nUser: 2+2 = ?  Ünï 🚀"]
+NEXT_TURN = [{"role": "assistant", "content": "Sure, here."}, {"role": "user", "content": "Next?"}]
 
 CHATS: list[list[dict[str, Any]]] = [
     [{"role": "user", "content": "Hello!"}],
@@ -78,10 +84,11 @@ def _record(f: Findings, kind: str, i: int, mine: list[int], theirs: list[int]) 
 )
 async def tokenizer(ctx: Context, f: Findings) -> None:
     engine = await ctx.engine("main")
-    local = LocalTokenizer(ctx.tokenizer_dir)
+    local = LocalTokenizer(ctx.tokenizer_dir, piece_chars=24, fine_chars=6)
     f.note("tokenizer_dir", str(ctx.tokenizer_dir))
     async with client(engine.url) as http:
-        for i, prompt in enumerate(PROMPTS):
+        prompts = [*PROMPTS, *(p + t for p in PROMPTS for t in TAILS)]
+        for i, prompt in enumerate(prompts):
             _record(
                 f,
                 "completion",
@@ -89,7 +96,8 @@ async def tokenizer(ctx: Context, f: Findings) -> None:
                 local.completion(prompt),
                 await tokenize_prompt(http, engine.model, prompt),
             )
-        for i, messages in enumerate(CHATS):
+        chats = [*CHATS, *([*c, *NEXT_TURN] for c in CHATS)]
+        for i, messages in enumerate(chats):
             _record(
                 f,
                 "chat",
@@ -97,4 +105,5 @@ async def tokenizer(ctx: Context, f: Findings) -> None:
                 local.chat(messages),
                 await tokenize_chat(http, engine.model, messages),
             )
-    f.note("compared", len(PROMPTS) + len(CHATS))
+    f.note("compared", len(prompts) + len(chats))
+    f.note("pieces_reused", local.pieces.hits)

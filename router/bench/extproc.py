@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from router.bench.extproc_lua import write_shared_prefix_lua
+from router.bench.proxy import Target as WrkTarget
 from router.bench.proxy import backend, wrk
 from router.envoy.bootstrap import Endpoint, GatewayConfig
 from router.envoy.process import INSTALL_HINT, EnvoyProcess, envoy_binary
@@ -159,7 +160,8 @@ NEEDS_KVROUTE_PICKER = {n for n in PATHS if n.startswith("envoy+kvroute")}
 
 
 def measure(url: str, lua: Path, pids: list[int], seconds: int, repeat: int) -> dict[str, Any]:
-    target = f"{url}/v1/completions"
+    # the picker's CPU is summed over `pids` here; wrk's own reading is of the first one
+    target = WrkTarget(url, pids[0] if pids else os.getpid())
     wrk(target, lua, 1, 1)  # warm-up: connections, caches
     out: dict[str, Any] = {}
     for conns in (1, 32):

@@ -19,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
@@ -78,16 +79,21 @@ def vllm_router_command(
     return [binary, *peer_args(port, workers, policy), "--log-level", "warning", *extra]
 
 
+class Peer(NamedTuple):
+    url: str
+    pid: int  # the peer's process (its CPU time is read from /proc)
+
+
 @contextlib.contextmanager
-def child(cmd: list[str], url: str, ready_path: str, timeout: float = 60) -> Iterator[str]:
-    """Run a peer in its own session until the block ends; yields `url` once `ready_path`
+def child(cmd: list[str], url: str, ready_path: str, timeout: float = 60) -> Iterator[Peer]:
+    """Run a peer in its own session until the block ends; yields it once `ready_path`
     answers 200. Its output goes to a log file quoted when it dies early."""
     log_path = Path(tempfile.mkdtemp(prefix="kvroute-peer-")) / "peer.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         _wait_ready(proc, cmd[0], url + ready_path, log_path, timeout)
-        yield url
+        yield Peer(url, proc.pid)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)

@@ -1,16 +1,23 @@
 """`kvroute bench proxy`: what a router adds on top of a fast fake OpenAI backend.
 
 The backend (router.bench.backend, its own process) is reached directly, through kvroute
-(kv policy, tokenizing a ~2k-token prompt with the model's tokenizer), and through the peer
-routers when they are installed; wrk drives each at concurrency 1 and 32. Reported: p50/p99
-latency, added latency over direct, requests/s, and ratios against the peers. Medians over
-`--repeat` runs: the machine is shared and noisy.
+(kv policy, tokenizing ~2k-token prompts with the model's tokenizer), and through the peer
+routers when they are installed; wrk drives each at concurrency 1 and 32, for each prompt
+mix (`router.bench.proxy_prompts`: repeated, shared-prefix, distinct). Reported per mix:
+p50/p99 latency, added latency over direct, requests/s, each process's CPU per request
+(from /proc), ratios against the peers, and the tokenizer's own CPU time for prompts of the
+mix (the floor). Medians over `--repeat` runs: the machine is shared and noisy. `--long N`
+adds one N-second run at concurrency 1 per target (p99 and max: pauses).
+
+JSON: `by_prompts: {mix: {"targets", "ratios", "tokenizer"}}`; the top-level `targets` and
+`ratios` are the repeated-prompt ones.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import re
 import shutil
@@ -25,34 +32,27 @@ from pathlib import Path
 from typing import Any
 
 from router.bench.peers import child, peer_bin, sglang_command, vllm_router_command
+from router.bench.proxy_prompts import MIXES, Mix, floor
 from router.procs import RouterProcess, free_port
 from router.svgplot import bar_chart
-from router.textgen import filler
 from router.tokenize import PACKAGED_TOKENIZER, LocalTokenizer
-
-MODEL = "kvroute-sim"
 
 
 @dataclass
 class Run:
     p50_us: float
     p99_us: float
+    max_us: float
     rps: float
+    requests: int
     errors: int
+    cpu_us: float = 0.0  # the target process's CPU per request
 
 
-def make_prompt(tokens: int = 2000) -> str:
-    return filler(LocalTokenizer(PACKAGED_TOKENIZER), tokens, random.Random(3))
-
-
-def write_lua(folder: Path, prompt: str) -> Path:
-    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1})
-    path = folder / "post.lua"
-    path.write_text(
-        'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-        f"wrk.body = {json.dumps(body)}\n"
-    )
-    return path
+@dataclass
+class Target:
+    url: str
+    pid: int
 
 
 _UNITS = {"us": 1.0, "ms": 1000.0, "s": 1_000_000.0}
@@ -65,24 +65,44 @@ def _latency(text: str, pct: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2)]
 
 
-def wrk(url: str, lua: Path, conns: int, seconds: int) -> Run:
+def _max(text: str) -> float:
+    m = re.search(r"^\s+Latency\s+\S+\s+\S+\s+([\d.]+)(us|ms|s)\s", text, re.M)
+    return float(m.group(1)) * _UNITS[m.group(2)] if m else 0.0
+
+
+def _cpu_ticks(pid: int) -> int:
+    """utime + stime of a process (all its threads), in clock ticks."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def wrk(target: Target, lua: Path, conns: int, seconds: int) -> Run:
+    """One wrk run (one thread: the Lua counter makes every request distinct) with a salt
+    no other run uses."""
+    salt = f"{random.getrandbits(24):06x}"
+    cmd = ["wrk", "-t1", f"-c{conns}", f"-d{seconds}s", "--latency", "-s", str(lua)]
+    ticks = _cpu_ticks(target.pid)
     out = subprocess.run(
-        ["wrk", "-t1", f"-c{conns}", f"-d{seconds}s", "--latency", "-s", str(lua), url],
+        [*cmd, f"{target.url}/v1/completions", "--", salt, str(random.getrandbits(30))],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
+    cpu_s = (_cpu_ticks(target.pid) - ticks) / os.sysconf("SC_CLK_TCK")
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    requests = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
     bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
     errors = int(bad.group(1)) if bad else 0
     sock = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
     if sock:
         errors += sum(int(x) for x in sock.groups())
-    return Run(_latency(out, "50"), _latency(out, "99"), rps, errors)
+    cpu_us = cpu_s * 1e6 / max(requests, 1)
+    return Run(_latency(out, "50"), _latency(out, "99"), _max(out), rps, requests, errors, cpu_us)
 
 
 @contextlib.contextmanager
-def backend(ports: list[int]) -> Iterator[None]:
+def backend(ports: list[int]) -> Iterator[int]:
+    """The fake backend on `ports`; yields its pid."""
     cmd = [sys.executable, "-m", "router.bench.backend"]
     for p in ports:
         cmd += ["--port", str(p)]
@@ -90,16 +110,16 @@ def backend(ports: list[int]) -> Iterator[None]:
     try:
         assert proc.stdout is not None
         proc.stdout.readline()  # it prints its ports once listening
-        yield
+        yield proc.pid
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(5)
 
 
 @contextlib.contextmanager
-def kvroute_target(workers: list[str]) -> Iterator[str]:
+def kvroute_target(workers: list[str]) -> Iterator[Target]:
     with RouterProcess(workers, tokenizer=PACKAGED_TOKENIZER) as router:
-        yield router.url
+        yield Target(router.url, router.proc.pid)
 
 
 def sglang_target(workers: list[str]) -> Any | None:
@@ -107,8 +127,7 @@ def sglang_target(workers: list[str]) -> Any | None:
     if binary is None:
         return None
     port = free_port()
-    cmd = sglang_command(binary, port, workers, "cache_aware")
-    return child(cmd, f"http://127.0.0.1:{port}", "/readiness")
+    return _peer(sglang_command(binary, port, workers, "cache_aware"), port)
 
 
 def vllm_router_target(workers: list[str]) -> Any | None:
@@ -116,8 +135,13 @@ def vllm_router_target(workers: list[str]) -> Any | None:
     if binary is None:
         return None
     port = free_port()
-    cmd = vllm_router_command(binary, port, workers, "cache_aware")
-    return child(cmd, f"http://127.0.0.1:{port}", "/readiness")
+    return _peer(vllm_router_command(binary, port, workers, "cache_aware"), port)
+
+
+@contextlib.contextmanager
+def _peer(cmd: list[str], port: int) -> Iterator[Target]:
+    with child(cmd, f"http://127.0.0.1:{port}", "/readiness") as peer:
+        yield Target(peer.url, peer.pid)
 
 
 TARGETS: dict[str, Callable[[list[str]], Any]] = {
@@ -133,26 +157,33 @@ def run(
     repeat: int = 3,
     only: list[str] | None = None,
     plot_path: Path | None = None,
+    prompts: list[str] | None = None,
+    long_seconds: int = 0,
 ) -> dict[str, Any]:
     if shutil.which("wrk") is None:
         raise SystemExit("kvroute bench proxy needs wrk (apt-get install wrk)")
     ports = [free_port(), free_port()]
     workers = [f"http://127.0.0.1:{p}" for p in ports]
     tmp = Path(tempfile.mkdtemp(prefix="kvroute-bench-"))
-    lua = write_lua(tmp, make_prompt())
-    results: dict[str, Any] = {"seconds": seconds, "repeat": repeat, "targets": {}}
-    with backend(ports):
-        results["targets"]["direct"] = _measure(workers[0], lua, seconds, repeat)
+    tok = LocalTokenizer(PACKAGED_TOKENIZER)
+    mixes = [Mix(name, tok) for name in (prompts or MIXES)]
+    luas = {m.name: m.write(tmp) for m in mixes}
+    by: dict[str, Any] = {m.name: {"targets": {}, "tokenizer": floor(m)} for m in mixes}
+    with backend(ports) as backend_pid:
+        _measure_all(by, "direct", Target(workers[0], backend_pid), luas, seconds, repeat)
         for name, factory in TARGETS.items():
             if only and name not in only:
                 continue
             target = factory(workers)
             if target is None:
-                results["targets"][name] = {"skipped": "not installed"}
+                for mix in by.values():
+                    mix["targets"][name] = {"skipped": "not installed"}
                 continue
-            with target as url:
-                results["targets"][name] = _measure(url, lua, seconds, repeat)
-    _derive(results)
+            with target as t:
+                _measure_all(by, name, t, luas, seconds, repeat)
+        if long_seconds:
+            _long_runs(by, workers, backend_pid, luas, long_seconds, only)
+    results = _assemble(by, seconds, repeat)
     _print(results)
     if json_path is not None:
         json_path.write_text(json.dumps(results, indent=2))
@@ -163,26 +194,78 @@ def run(
     return results
 
 
-def plot(results: dict[str, Any]) -> str:
-    series = {
-        name: {
-            "added p50 c=1 (us)": t["c1"].get("added_p50_us", 0.0),
-            "added p99 c=1 (us)": t["c1"].get("added_p99_us", 0.0),
-            "req/s c=32": float(t["c32"]["rps"]),
-        }
-        for name, t in results["targets"].items()
-        if name != "direct" and "skipped" not in t
+def _measure_all(
+    by: dict[str, Any], name: str, target: Target, luas: dict[str, Path], seconds: int, repeat: int
+) -> None:
+    for mix, lua in luas.items():
+        by[mix]["targets"][name] = _measure(target, lua, seconds, repeat)
+
+
+def _long_runs(
+    by: dict[str, Any],
+    workers: list[str],
+    backend_pid: int,
+    luas: dict[str, Path],
+    seconds: int,
+    only: list[str] | None,
+) -> None:
+    """One long run at concurrency 1 per target and mix: p99 and max show pauses."""
+    factories: dict[str, Callable[[list[str]], Any]] = {
+        "direct": lambda _: contextlib.nullcontext(Target(workers[0], backend_pid)),
+        **TARGETS,
     }
+    for name, factory in factories.items():
+        if name not in by[next(iter(luas))]["targets"] or (only and name not in [*only, "direct"]):
+            continue
+        target = factory(workers)
+        if target is None:
+            continue
+        with target as t:
+            for mix, lua in luas.items():
+                wrk(t, lua, 1, 1)
+                r = wrk(t, lua, 1, seconds)
+                by[mix]["targets"][name]["c1_long"] = {
+                    "seconds": seconds,
+                    "p50_us": r.p50_us,
+                    "p99_us": r.p99_us,
+                    "max_us": r.max_us,
+                    "requests": r.requests,
+                }
+
+
+def _assemble(by: dict[str, Any], seconds: int, repeat: int) -> dict[str, Any]:
+    for mix in by.values():
+        _derive(mix)
+    first = by.get("repeated") or next(iter(by.values()))
+    return {
+        "seconds": seconds,
+        "repeat": repeat,
+        "targets": first["targets"],
+        "ratios": first["ratios"],
+        "by_prompts": by,
+    }
+
+
+def plot(results: dict[str, Any]) -> str:
+    series: dict[str, dict[str, float]] = {}
+    for mix, data in results.get("by_prompts", {"repeated": results}).items():
+        for name, t in data["targets"].items():
+            if name == "direct" or "skipped" in t:
+                continue
+            row = series.setdefault(name, {})
+            row[f"added p50 c=1 (us), {mix}"] = t["c1"].get("added_p50_us", 0.0)
+            row[f"added p99 c=1 (us), {mix}"] = t["c1"].get("added_p99_us", 0.0)
+            row[f"req/s c=32, {mix}"] = float(t["c32"]["rps"])
     return bar_chart(
-        "Proxy overhead over a fast fake backend (~2k-token prompt)",
+        "Proxy overhead over a fast fake backend (~2k-token prompts: repeated, shared "
+        "prefix + distinct tail, distinct)",
         series,
         "latency added over direct access (lower is better); req/s at 32 connections "
         "(higher is better)",
     )
 
 
-def _measure(url: str, lua: Path, seconds: int, repeat: int) -> dict[str, Any]:
-    target = f"{url}/v1/completions"
+def _measure(target: Target, lua: Path, seconds: int, repeat: int) -> dict[str, Any]:
     wrk(target, lua, 1, 1)  # warm-up: connections, caches
     out: dict[str, Any] = {}
     for conns in (1, 32):
@@ -190,14 +273,16 @@ def _measure(url: str, lua: Path, seconds: int, repeat: int) -> dict[str, Any]:
         out[f"c{conns}"] = {
             "p50_us": statistics.median(r.p50_us for r in runs),
             "p99_us": statistics.median(r.p99_us for r in runs),
+            "max_us": max(r.max_us for r in runs),
             "rps": round(statistics.median(r.rps for r in runs)),
+            "cpu_us_per_req": round(statistics.median(r.cpu_us for r in runs), 1),
             "errors": sum(r.errors for r in runs),
         }
     return out
 
 
-def _derive(results: dict[str, Any]) -> None:
-    targets = results["targets"]
+def _derive(mix: dict[str, Any]) -> None:
+    targets = mix["targets"]
     direct = targets["direct"]
     for name, t in targets.items():
         if name == "direct" or "skipped" in t:
@@ -216,15 +301,31 @@ def _derive(results: dict[str, Any]) -> None:
             ours["c1"]["added_p50_us"] / max(theirs["c1"]["added_p50_us"], 1.0), 2
         )
         ratios[f"rps_c32_vs_{peer}"] = round(ours["c32"]["rps"] / max(theirs["c32"]["rps"], 1), 2)
-    results["ratios"] = ratios
+    mix["ratios"] = ratios
 
 
 def _print(results: dict[str, Any]) -> None:
+    for name, mix in results["by_prompts"].items():
+        f = mix["tokenizer"]
+        tail = (
+            f"; new tail {f['tail_tokens']} tokens: {f['tail_encode_cpu_us']:.0f} us"
+            if "tail_tokens" in f
+            else ""
+        )
+        print(
+            f"\n== prompts: {name} (~{f['tokens']} tokens; the tokenizer alone: encode "
+            f"{f['encode_cpu_us']:.0f} us CPU, encode_batch_fast {f['encode_fast_cpu_us']:.0f} "
+            f"us{tail})"
+        )
+        _print_mix(mix)
+
+
+def _print_mix(mix: dict[str, Any]) -> None:
     print(
         f"{'target':<15} {'c1 p50':>9} {'c1 p99':>9} {'added p50':>10} {'c1 req/s':>9} "
-        f"{'c32 p50':>9} {'c32 req/s':>10} {'errors':>7}"
+        f"{'c32 p50':>9} {'c32 req/s':>10} {'CPU/req c1':>11} {'c32':>8} {'errors':>7}"
     )
-    for name, t in results["targets"].items():
+    for name, t in mix["targets"].items():
         if "skipped" in t:
             print(f"{name:<15} skipped: {t['skipped']}")
             continue
@@ -233,7 +334,14 @@ def _print(results: dict[str, Any]) -> None:
         print(
             f"{name:<15} {c1['p50_us']:>7.0f}us {c1['p99_us']:>7.0f}us {added:>10} "
             f"{c1['rps']:>9} {c32['p50_us']:>7.0f}us {c32['rps']:>10} "
+            f"{c1['cpu_us_per_req']:>9.0f}us {c32['cpu_us_per_req']:>6.0f}us "
             f"{c1['errors'] + c32['errors']:>7}"
         )
-    if results["ratios"]:
-        print("ratios:", json.dumps(results["ratios"]))
+        if "c1_long" in t:
+            lg = t["c1_long"]
+            print(
+                f"{'':<15} c=1 over {lg['seconds']} s: p50 {lg['p50_us']:.0f}us, p99 "
+                f"{lg['p99_us']:.0f}us, max {lg['max_us']:.0f}us ({lg['requests']} requests)"
+            )
+    if mix["ratios"]:
+        print("ratios:", json.dumps(mix["ratios"]))

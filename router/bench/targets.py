@@ -91,7 +91,8 @@ def _peer(binary_name: str, policy: str, kv_events: bool = False) -> Launch:
         else:
             extra = _kv_event_flags(workers) if kv_events else []
             cmd = peers.vllm_router_command(binary, port, _urls(workers), policy, extra)
-        with peers.child(cmd, f"http://127.0.0.1:{port}", "/readiness") as url:
+        with peers.child(cmd, f"http://127.0.0.1:{port}", "/readiness") as peer:
+            url = peer.url
             yield [url]
 
     return launch

@@ -1,0 +1,196 @@
+"""Token caches kept out of the garbage collector's way, with bounded memory.
+
+Token ids live in `array('I')` and `bytes` (4 bytes an id, one object; bytes and the tuples
+holding them are not even tracked by the collector) instead of lists of ints (a full
+collection walking 4,096 cached 2k-token lists took ~56 ms: the p99 at one connection).
+Both caches are LRUs bounded in size, and a single huge prompt keeps at most a fixed share.
+
+- `TokenCache`: whole requests by content -> `Tokens` (ids plus the picker's block-hash memo),
+  so a repeated prompt is neither re-tokenized nor re-hashed.
+- `PieceStore`: the prefix tree of prompt pieces (see `router.tokenize_split`): the key of a
+  piece is (id of the piece before it, its text), so a hit means the whole text up to and
+  including the piece is exactly one seen before, and its ids are exactly its tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import cast
+
+
+class HashMemo(dict[object, object]):
+    """The picker's block-hash memo on `Tokens`: each list of hashes it stores is kept as a
+    tuple, which holds only ints, so the collector stops walking it (4,096 cached prompts'
+    lists made a full collection ~10x slower: `python -m router.bench.tokenize`)."""
+
+    def __setitem__(self, key: object, value: object) -> None:
+        key = _KEYS.setdefault(key, key) if len(_KEYS) < 1024 else key  # one key object
+        super().__setitem__(key, tuple(value) if isinstance(value, list) else value)
+
+
+_KEYS: dict[object, object] = {}  # (block size, namespace) keys, shared by every memo
+
+
+class Tokens(array):  # type: ignore[type-arg]
+    """Token ids (array('I')) that remember their block hashes per (block size, namespace),
+    so a prompt seen again (same system prompt, same document) is neither re-tokenized nor
+    re-hashed (`router.core.picker` reads `hash_memo`)."""
+
+    __slots__ = ("hash_memo",)
+    hash_memo: HashMemo
+
+    def __new__(cls, ids: Iterable[int] = ()) -> Tokens:
+        self = cast(Tokens, super().__new__(cls, "I", ids))
+        self.hash_memo = HashMemo()
+        return self
+
+    def __repr__(self) -> str:
+        return f"Tokens({self.tolist()!r})"
+
+
+class TokenCache:
+    """An LRU of whole requests keyed by content, bounded in items and token ids; a request
+    above `max_tokens // 16` ids is not kept (one huge prompt must not evict everything)."""
+
+    def __init__(self, max_items: int = 4096, max_tokens: int = 8_000_000) -> None:
+        self._items: OrderedDict[Hashable, Tokens] = OrderedDict()
+        self.max_items = max_items
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: Hashable) -> Tokens | None:
+        ids = self._items.get(key)
+        if ids is None:
+            self.misses += 1
+            return None
+        self._items.move_to_end(key)
+        self.hits += 1
+        return ids
+
+    def put(self, key: Hashable, ids: Sequence[int]) -> Tokens:
+        tokens = ids if isinstance(ids, Tokens) else Tokens(ids)
+        if len(tokens) > self.max_tokens // 16:
+            return tokens
+        old = self._items.pop(key, None)
+        self.tokens += len(tokens) - (len(old) if old is not None else 0)
+        self._items[key] = tokens
+        while self._items and (len(self._items) > self.max_items or self.tokens > self.max_tokens):
+            self.tokens -= len(self._items.popitem(last=False)[1])
+        return tokens
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+_NODE_OVERHEAD = 200  # bytes per piece beyond its text and ids: key tuple, value, dict slot
+
+
+@dataclass
+class Walk:
+    """How far a prompt is known: ids of the pieces found (array('I') bytes), the node the
+    next piece hangs from, the pieces still to encode, and the coarse piece that was walked
+    in fine pieces (its parent node, its text, its fine pieces known and left)."""
+
+    parent: int = 0
+    known: list[bytes] = field(default_factory=list)
+    rest: list[str] = field(default_factory=list)
+    split: tuple[int, str, int, int] | None = None
+
+
+class PieceStore:
+    """Ids of prompt pieces, keyed by (node id of everything before, piece text); bounded in
+    bytes (LRU), and a prompt keeps at most `max_prompt_bytes` of pieces (its first ones:
+    the shared part of real traffic is the beginning).
+
+    A node id stands for one exact text (everything up to and including its piece), however
+    it was cut, so coarse and fine pieces share the tree: coarse pieces make the walk over a
+    long known prefix cheap; the coarse piece where a prompt leaves the known text is walked
+    again in fine pieces, so only the text after the last shared fine piece is new; and once
+    its fine pieces are all known, the coarse piece is added as one node ending at the same
+    id, so the next walk over it is one step again.
+    """
+
+    def __init__(self, max_bytes: int = 64 << 20, max_prompt_bytes: int = 8 << 20) -> None:
+        self._nodes: OrderedDict[tuple[int, str], tuple[int, bytes]] = OrderedDict()
+        self._next_id = itertools.count(1)  # never reused: a stale parent id matches nothing
+        self.max_bytes = max_bytes
+        self.max_prompt_bytes = max_prompt_bytes
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    def walk(self, pieces: Sequence[str], refine: Callable[[str], list[str]]) -> Walk:
+        """Follow `pieces` (coarse) from the root; at the first unknown one, follow its
+        `refine`d (fine) pieces; what is left is `rest`."""
+        w = Walk()
+        nodes, known, parent = self._nodes, w.known, 0
+        for i, piece in enumerate(pieces):
+            node = nodes.get((parent, piece))
+            if node is not None:
+                nodes.move_to_end((parent, piece))
+                parent = node[0]
+                known.append(node[1])
+                continue
+            start, fine, k = parent, refine(piece), 0
+            for sub in fine:
+                node = nodes.get((parent, sub))
+                if node is None:
+                    break
+                nodes.move_to_end((parent, sub))
+                parent = node[0]
+                known.append(node[1])
+                k += 1
+            if k < len(fine):
+                w.rest = [*fine[k:], *pieces[i + 1 :]]
+                w.split = (start, piece, k, len(fine) - k)
+                break
+            self._put((start, piece), parent, b"".join(known[-k:]))
+        w.parent = parent
+        self.hits += len(known)
+        self.misses += len(w.rest)
+        return w
+
+    def add(self, w: Walk, ids: Sequence[bytes]) -> None:
+        """Remember `w.rest` (after node `w.parent`) with their ids (array('I') bytes), as
+        far as the per-prompt share allows, and the coarse piece that was split."""
+        parent, spent, ends = w.parent, 0, []
+        for piece, raw in zip(w.rest, ids, strict=True):
+            spent += _size(piece, raw)
+            if spent > self.max_prompt_bytes:
+                break
+            parent = self._put((parent, piece), next(self._next_id), raw)
+            ends.append(parent)
+        if w.split is not None and len(ends) >= w.split[3]:
+            start, piece, k, new = w.split
+            raw = b"".join([*w.known[len(w.known) - k :], *ids[:new]])
+            if spent + _size(piece, raw) <= self.max_prompt_bytes:
+                self._put((start, piece), ends[new - 1], raw)
+        self._evict()
+
+    def _put(self, key: tuple[int, str], node_id: int, raw: bytes) -> int:
+        """The id of the node at `key`, added (as `node_id`, `raw`) if it is new."""
+        node = self._nodes.get(key)
+        if node is None:
+            self._nodes[key] = (node_id, raw)
+            self.bytes += _size(key[1], raw)
+            return node_id
+        return node[0]
+
+    def _evict(self) -> None:
+        while self.bytes > self.max_bytes and self._nodes:
+            (_, piece), (_, raw) = self._nodes.popitem(last=False)
+            self.bytes -= _size(piece, raw)
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+
+def _size(piece: str, raw: bytes) -> int:
+    return sys.getsizeof(piece) + len(raw) + _NODE_OVERHEAD
