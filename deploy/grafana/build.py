@@ -1,0 +1,317 @@
+"""Writes deploy/grafana/kvroute.json, the Grafana dashboard for kvroute's /metrics (the
+README's metrics table): traffic, latency, routing quality, KV-event health, the index, and
+failures. Edit this file, not the JSON, then:
+
+    .venv/bin/python deploy/grafana/build.py
+
+tests/test_deploy_dashboard.py fails when the JSON is not what this writes, and when a query
+names a metric or label that a real `kvroute serve` does not expose.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+OUT = Path(__file__).with_name("kvroute.json")
+DS = {"type": "prometheus", "uid": "${datasource}"}
+SEL = 'job=~"$job"'  # every query: the kvroute targets chosen at the top
+W = f'{SEL}, worker=~"$worker"'
+M = f'{SEL}, model=~"$model"'
+RATE = "$__rate_interval"
+
+Panel = dict[str, Any]
+
+
+def q(expr: str, legend: str = "") -> dict[str, str]:
+    return {"expr": expr, "legendFormat": legend or "__auto"}
+
+
+def rate(metric: str, by: str, sel: str = SEL) -> str:
+    return f"sum by ({by}) (rate({metric}{{{sel}}}[{RATE}]))"
+
+
+def quantiles(metric: str, sel: str) -> list[dict[str, str]]:
+    """p50 / p90 / p99 of a histogram."""
+    return [
+        q(
+            f"histogram_quantile({p}, sum by (le) (rate({metric}_bucket{{{sel}}}[{RATE}])))",
+            f"p{round(p * 100)}",
+        )
+        for p in (0.5, 0.9, 0.99)
+    ]
+
+
+def series(title: str, targets: list[dict[str, str]], unit: str, text: str = "") -> Panel:
+    return {
+        "type": "timeseries",
+        "title": title,
+        "description": text,
+        "datasource": DS,
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
+        "targets": targets,
+    }
+
+
+def stat(title: str, expr: str, unit: str, text: str = "") -> Panel:
+    return {
+        "type": "stat",
+        "title": title,
+        "description": text,
+        "datasource": DS,
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "options": {"reduceOptions": {"calcs": ["lastNotNull"]}, "colorMode": "value"},
+        "targets": [q(expr)],
+    }
+
+
+def traffic() -> list[Panel]:
+    req = "kvroute_requests_total"
+    return [
+        stat("Requests/s", f"sum(rate({req}{{{M}}}[{RATE}]))", "reqps"),
+        stat(
+            "Not ok",
+            f'sum(rate({req}{{{M}, outcome!="ok"}}[{RATE}])) / sum(rate({req}{{{M}}}[{RATE}]))',
+            "percentunit",
+            "Share of requests whose outcome is not ok (worker errors, timeouts, the router's "
+            "own 4xx/5xx, client disconnects)",
+        ),
+        stat("In flight", f"sum(kvroute_inflight_requests{{{W}}})", "short"),
+        stat("Version", f"count by (version) (kvroute_build_info{{{SEL}}})", "short"),
+        series("Requests by model and status", [q(rate(req, "model, status", M))], "reqps"),
+        series(
+            "Requests by outcome",
+            [q(rate(req, "outcome", M))],
+            "reqps",
+            "ok, http_error, connect_failed, timeout, client_disconnected; router = the "
+            "router's own answer (worker none)",
+        ),
+        series("Requests by worker", [q(rate(req, "worker", f'{M}, worker=~"$worker"'))], "reqps"),
+        series(
+            "In flight by worker",
+            [
+                q(f"sum by (worker) (kvroute_inflight_requests{{{W}}})", "{{worker}} requests"),
+                q(
+                    f"sum by (worker) (kvroute_inflight_prefill_tokens{{{W}}})",
+                    "{{worker}} prefill tokens",
+                ),
+            ],
+            "short",
+            "Load as the router counts it: requests, and uncached prompt tokens awaiting their "
+            "first token",
+        ),
+    ]
+
+
+def latency() -> list[Panel]:
+    return [
+        series("Time to first token", quantiles("kvroute_ttft_seconds", M), "s"),
+        series("Request duration", quantiles("kvroute_request_duration_seconds", M), "s"),
+        series(
+            "TTFT p90 by worker",
+            [
+                q(
+                    "histogram_quantile(0.9, sum by (le, worker) "
+                    f'(rate(kvroute_ttft_seconds_bucket{{{M}, worker=~"$worker"}}[{RATE}])))',
+                    "{{worker}}",
+                )
+            ],
+            "s",
+        ),
+        series(
+            "Routing decision time",
+            quantiles("kvroute_route_decision_seconds", SEL),
+            "s",
+            "Tokenize + hash + index look-up + score, per request",
+        ),
+    ]
+
+
+def quality() -> list[Panel]:
+    return [
+        series(
+            "Prediction fidelity",
+            [q(rate("kvroute_prediction_fidelity_total", "result", W))],
+            "reqps",
+            "Predicted cached tokens vs the engine's cached_tokens: exact, over, under",
+        ),
+        series(
+            "Cached tokens: predicted vs reported",
+            [
+                q(f"sum(rate(kvroute_predicted_cached_tokens_total{{{W}}}[{RATE}]))", "predicted"),
+                q(f"sum(rate(kvroute_reported_cached_tokens_total{{{W}}}[{RATE}]))", "reported"),
+            ],
+            "short",
+        ),
+        series(
+            "Predicted overlap (mean)",
+            [
+                q(
+                    f"sum(rate(kvroute_predicted_overlap_ratio_sum{{{SEL}}}[{RATE}])) / "
+                    f"sum(rate(kvroute_predicted_overlap_ratio_count{{{SEL}}}[{RATE}]))",
+                    "overlap",
+                )
+            ],
+            "percentunit",
+            "Predicted cached fraction of each prompt",
+        ),
+    ]
+
+
+def events() -> list[Panel]:
+    accidents = [
+        "sequence_gaps",
+        "replays",
+        "replay_failures",
+        "resyncs",
+        "restarts",
+        "out_of_order",
+        "unknown_parent",
+        "subscriber_restarts",
+    ]
+    return [
+        series(
+            "Workers in rotation",
+            [q(f"sum by (worker) (kvroute_worker_available{{{W}}})", "{{worker}}")],
+            "short",
+            "1 while the worker passes health checks",
+        ),
+        series(
+            "Event health",
+            [q(f"sum by (state) (kvroute_worker_event_health{{{W}}})", "{{state}}")],
+            "short",
+            "Workers per state: OK, NO_EVENTS, STALE, RESYNCING, DISABLED",
+        ),
+        series(
+            "Routing mode",
+            [q(f"sum by (mode) (kvroute_worker_mode{{{W}}})", "{{mode}}")],
+            "short",
+            "Workers routed from their KV events (events) or approximately (approx)",
+        ),
+        series(
+            "Event age",
+            [q(f"max by (worker) (kvroute_kv_event_age_seconds{{{W}}})", "{{worker}}")],
+            "s",
+            "Seconds since each worker's last KV event message",
+        ),
+        series(
+            "KV events applied",
+            [q(rate("kvroute_kv_events_total", "type", W))],
+            "ops",
+        ),
+        series(
+            "Event stream accidents",
+            [q(f"sum(rate(kvroute_kv_{a}_total{{{W}}}[{RATE}]))", a) for a in accidents],
+            "ops",
+        ),
+        series(
+            "Malformed batches",
+            [q(rate("kvroute_kv_malformed_total", "worker, reason", W))],
+            "ops",
+        ),
+    ]
+
+
+def index_and_failures() -> list[Panel]:
+    return [
+        series(
+            "Index blocks by worker",
+            [q(f"sum by (worker) (kvroute_index_blocks{{{W}}})", "{{worker}}")],
+            "short",
+        ),
+        series(
+            "Index evictions",
+            [q(rate("kvroute_index_evicted_total", "worker, cause", W))],
+            "ops",
+            "Entries dropped at a worker's cap (num_gpu_blocks x index_cap_margin)",
+        ),
+        series(
+            "Streams cut",
+            [q(rate("kvroute_stream_errors_total", "worker, cause", W))],
+            "ops",
+            "Streams that ended with an error event after they started",
+        ),
+        series("Retries", [q(rate("kvroute_retries_total", "worker", W))], "ops"),
+    ]
+
+
+def variable(name: str, query: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "type": "query",
+        "datasource": DS,
+        "query": {"query": query, "refId": name},
+        "definition": query,
+        "refresh": 2,
+        "includeAll": True,
+        "multi": True,
+        "allValue": ".*",
+        "current": {"text": "All", "value": "$__all"},
+    }
+
+
+def layout(rows: list[tuple[str, list[Panel]]]) -> list[Panel]:
+    """Rows of panels, four stats or two graphs across (Grafana's grid is 24 wide)."""
+    panels: list[Panel] = []
+    y = 0
+    for title, row in rows:
+        panels.append({"type": "row", "title": title, "collapsed": False, "panels": []})
+        panels[-1]["gridPos"] = _at(0, y, 24, 1)
+        x, y, line = 0, y + 1, 0
+        for panel in row:
+            w, h = (6, 4) if panel["type"] == "stat" else (12, 8)
+            if x + w > 24:
+                x, y, line = 0, y + line, 0
+            panel["gridPos"] = _at(x, y, w, h)
+            x, line = x + w, max(line, h)
+        y += line
+        panels += row
+    for n, panel in enumerate(panels, 1):
+        panel["id"] = n
+        for ref, target in zip("ABCDEFGHIJ", panel.get("targets", []), strict=False):
+            target["refId"] = ref
+    return panels
+
+
+def _at(x: int, y: int, w: int, h: int) -> dict[str, int]:
+    return {"x": x, "y": y, "w": w, "h": h}
+
+
+def dashboard() -> dict[str, Any]:
+    rows = [
+        ("Traffic", traffic()),
+        ("Latency", latency()),
+        ("Routing quality", quality()),
+        ("Workers and KV events", events()),
+        ("Index and failures", index_and_failures()),
+    ]
+    return {
+        "title": "kvroute",
+        "uid": "kvroute",
+        "description": "KV-cache-aware router for vLLM fleets: kvroute's /metrics",
+        "tags": ["kvroute", "vllm"],
+        "editable": True,
+        "schemaVersion": 39,
+        "time": {"from": "now-1h", "to": "now"},
+        "refresh": "30s",
+        "templating": {
+            "list": [
+                {"name": "datasource", "type": "datasource", "query": "prometheus"},
+                variable("job", "label_values(kvroute_build_info, job)"),
+                variable("model", 'label_values(kvroute_requests_total{job=~"$job"}, model)'),
+                variable("worker", 'label_values(kvroute_worker_available{job=~"$job"}, worker)'),
+            ]
+        },
+        "panels": layout(rows),
+    }
+
+
+def main() -> None:
+    OUT.write_text(json.dumps(dashboard(), indent=2) + "\n")
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()

