@@ -65,7 +65,8 @@ def find(mode: str, kind: str, name: str) -> Doc:
 
 
 def container(deployment: Doc, name: str) -> Doc:
-    (found,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == name]
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    (found,) = [c for c in containers if c["name"] == name]
     return dict(found)
 
 
