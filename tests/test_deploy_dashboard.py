@@ -1,0 +1,212 @@
+"""deploy/grafana/kvroute.json: valid JSON that deploy/grafana/build.py writes unchanged, a
+well-formed Grafana dashboard, and every PromQL expression in it (panels and variables),
+parsed by a real PromQL parser, names only metrics and labels that a real `kvroute serve`
+exposes: the test scrapes one (a child process, simulated workers, a few requests)."""
+
+from __future__ import annotations
+
+import json
+import re
+import runpy
+import time
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import httpx
+import promql_parser
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.procs import FleetProcess, RouterProcess
+from router.tokenize import PACKAGED_TOKENIZER
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARD = ROOT / "deploy" / "grafana" / "kvroute.json"
+# what Prometheus adds to every scraped series (ServiceMonitor targets)
+TARGET_LABELS = {"job", "instance", "namespace", "pod", "service", "container", "endpoint"}
+# counted only when something fails: declared (HELP/TYPE in the scrape) but without samples
+# on a healthy fleet, so their labels cannot be checked against the scrape
+FAILURE_ONLY = {
+    "kvroute_retries_total",
+    "kvroute_stream_errors_total",
+    "kvroute_kv_malformed_total",
+}
+GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h"}
+Doc = dict[str, Any]
+
+
+def dashboard() -> Doc:
+    doc = json.loads(DASHBOARD.read_text())
+    assert isinstance(doc, dict)
+    return doc
+
+
+def panels() -> list[Doc]:
+    return [p for p in dashboard()["panels"] if p["type"] != "row"]
+
+
+def queries() -> list[str]:
+    exprs = [t["expr"] for p in panels() for t in p["targets"]]
+    for var in dashboard()["templating"]["list"]:
+        if var["type"] == "query":
+            exprs.append(_label_values(var["query"]["query"])[0])
+    return exprs
+
+
+def _label_values(query: str) -> tuple[str, str]:
+    """label_values(SELECTOR, LABEL) (Grafana's, not PromQL): the selector and the label."""
+    found = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", query)
+    assert found, query
+    return found[1], found[2]
+
+
+def parse(expr: str) -> Any:
+    for var, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(var, value)
+    return promql_parser.parse(expr)  # raises on anything that is not PromQL
+
+
+def selectors(expr: str) -> list[tuple[str, set[str]]]:
+    """Each vector selector's metric name and the labels its matchers name."""
+    found: list[tuple[str, set[str]]] = []
+
+    def visit(node: Any) -> None:
+        if isinstance(node, promql_parser.VectorSelector):
+            labels = {m.name for m in node.matchers.matchers}
+            found.append((node.name, labels))
+
+    promql_parser.walk(parse(expr), visit)
+    return found
+
+
+def grouping_labels(expr: str) -> set[str]:
+    labels: set[str] = set()
+
+    def visit(node: Any) -> None:
+        if isinstance(node, promql_parser.AggregateExpr) and node.modifier is not None:
+            labels.update(node.modifier.labels)
+
+    promql_parser.walk(parse(expr), visit)
+    return labels
+
+
+# ---- the file ------------------------------------------------------------------------------
+
+
+def test_the_json_is_what_build_py_writes() -> None:
+    build = runpy.run_path(str(ROOT / "deploy" / "grafana" / "build.py"))
+    text = json.dumps(build["dashboard"](), indent=2) + "\n"
+    assert text == DASHBOARD.read_text(), "run: python deploy/grafana/build.py"
+
+
+def test_a_well_formed_dashboard() -> None:
+    doc = dashboard()
+    assert doc["uid"] == "kvroute" and doc["schemaVersion"] >= 36
+    ids = [p["id"] for p in doc["panels"]]
+    assert len(ids) == len(set(ids))
+    names = {v["name"] for v in doc["templating"]["list"]}
+    assert names == {"datasource", "job", "model", "worker"}
+    for p in panels():
+        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
+        refs = [t["refId"] for t in p["targets"]]
+        assert refs and len(refs) == len(set(refs)), p["title"]
+        box = p["gridPos"]
+        assert box["x"] + box["w"] <= 24 and box["w"] > 0 and box["h"] > 0
+        for t in p["targets"]:
+            assert 'job=~"$job"' in t["expr"], f"{p['title']}: not filtered by $job"
+
+
+def test_every_query_is_promql() -> None:
+    assert len(queries()) > 30
+    for expr in queries():
+        parse(expr)
+    with pytest.raises(ValueError):
+        parse("sum by (model (rate(kvroute_requests_total[5m]))")
+
+
+def test_the_readme_metrics_are_all_on_the_dashboard() -> None:
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("**Metrics**") : readme.index("## Prove it works")]
+    documented = set(re.findall(r"`(kvroute_[a-z_]+)`", table))
+    shown = {name for e in queries() for name, _ in selectors(e)}
+    shown |= {re.sub(r"_(bucket|sum|count)$", "", n) for n in shown}
+    assert documented - shown == set()
+
+
+# ---- against a real kvroute serve ----------------------------------------------------------
+
+
+@cache
+def scraped() -> dict[str, set[str] | None]:
+    """Every sample name kvroute serve exposes, with the labels seen on it (None: declared,
+    no samples yet)."""
+    with (
+        FleetProcess(2, kv_blocks=512) as fleet,
+        RouterProcess(fleet.urls, tokenizer=PACKAGED_TOKENIZER) as router,
+    ):
+        _traffic(router.url)
+        text = _metrics_once_events_flow(router.url)
+    names: dict[str, set[str] | None] = {}
+    for family in text_string_to_metric_families(text):
+        for suffix in _SUFFIXES.get(family.type, ("",)):
+            names[family.name + suffix] = None
+        for sample in family.samples:
+            seen = names.get(sample.name) or set()
+            names[sample.name] = seen | set(sample.labels)
+    return names
+
+
+_SUFFIXES = {
+    "counter": ("_total", "_created"),
+    "histogram": ("_bucket", "_sum", "_count", "_created"),
+    "gauge": ("",),
+}
+
+
+def _traffic(url: str) -> None:
+    doc = " ".join(f"dashboard paragraph {i} on caches and routing." for i in range(60))
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for prompt in (doc, doc, doc + " and a tail"):
+            body = {"model": "kvroute-sim", "prompt": prompt, "max_tokens": 4}
+            assert client.post("/v1/completions", json=body).status_code == 200
+        body = {"model": "kvroute-sim", "prompt": doc, "max_tokens": 4, "stream": True}
+        assert client.post("/v1/completions", json=body).status_code == 200
+        assert client.post("/v1/completions", content=b"{").status_code == 400  # the router's
+
+
+def _metrics_once_events_flow(url: str) -> str:
+    deadline = time.monotonic() + 20
+    while True:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+        if "kvroute_kv_event_age_seconds{" in text or time.monotonic() > deadline:
+            return text
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(120)
+def test_every_metric_and_label_the_dashboard_uses_is_exposed() -> None:
+    exposed = scraped()
+    for expr in queries():
+        used = selectors(expr)
+        labels_here: set[str] = set(TARGET_LABELS) | {"le"}
+        for name, matched in used:
+            assert name in exposed, f"{name} (in {expr}) is not exposed by kvroute serve"
+            labels = exposed[name]
+            if labels is None:
+                assert name in FAILURE_ONLY, f"{name}: no samples after traffic"
+                continue
+            assert matched - labels - TARGET_LABELS == set(), f"{name}: labels {matched}"
+            labels_here |= labels
+        if not any(exposed[name] is None for name, _ in used):
+            assert grouping_labels(expr) <= labels_here, expr
+
+
+@pytest.mark.timeout(120)
+def test_the_checks_catch_a_wrong_name() -> None:
+    exposed = scraped()
+    assert "kvroute_requests_total" in exposed and "kvroute_request_total" not in exposed
+    assert "kvroute_ttft_seconds_bucket" in exposed and "kvroute_ttft_seconds" not in exposed
+    (name, labels), *_ = selectors('sum by (modle) (kvroute_requests_total{modle="x"})')
+    assert labels - (exposed[name] or set()) == {"modle"}
+    assert "modle" in grouping_labels('sum by (modle) (kvroute_requests_total{job=~"$job"})')
