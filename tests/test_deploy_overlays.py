@@ -112,6 +112,24 @@ def test_each_mode_renders_its_objects() -> None:
         assert {d["metadata"]["namespace"] for d in render(mode)} == {"default"}
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_the_workers_are_looked_up_in_the_namespace_deployed_to(mode: str) -> None:
+    """workers_dns (and the sidecar's Envoy) name vllm-workers.NAMESPACE: it must be the one
+    kustomize deploys everything into, or the router finds no workers."""
+    (namespace,) = {d["metadata"]["namespace"] for d in render(mode)}
+    config = yaml.safe_load(find(mode, "ConfigMap", "kvroute-config")["data"]["kvroute.yaml"])
+    hosts = [config["workers_dns"].rpartition(":")[0]]
+    if mode == "sidecar":
+        _, bootstrap = _envoy_bootstrap()
+        (workers,) = [
+            c for c in bootstrap["static_resources"]["clusters"] if c["name"] == "kvroute_workers"
+        ]
+        endpoint = workers["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+        hosts.append(endpoint["address"]["socket_address"]["address"])
+    for host in hosts:
+        assert host == f"vllm-workers.{namespace}.svc.cluster.local"
+
+
 def _unhashed(doc: Doc) -> str:
     name = str(doc["metadata"]["name"])
     if doc["kind"] == "ConfigMap" and name.startswith("kvroute-envoy"):
@@ -281,3 +299,79 @@ def _default(cls: type, name: str) -> int:
 
 # the highest peak RSS of `kvroute serve` under load in measure_rss.py's runs (MiB)
 MEASURED_PEAK_MIB = 147
+
+
+# ---- the sidecar: Envoy and the picker in one pod ------------------------------------------
+
+
+def _envoy_bootstrap() -> tuple[Doc, Doc]:
+    """The rendered ConfigMap holding the bootstrap, and the bootstrap."""
+    (config_map,) = [
+        d
+        for d in render("sidecar")
+        if d["kind"] == "ConfigMap" and "envoy.yaml" in d.get("data", {})
+    ]
+    return config_map, yaml.safe_load(config_map["data"]["envoy.yaml"])
+
+
+def test_sidecar_envoy_runs_the_checked_in_bootstrap() -> None:
+    config_map, _ = _envoy_bootstrap()
+    sidecar = (ROOT / "deploy" / "envoy" / "sidecar.yaml").read_text()
+    assert config_map["data"]["envoy.yaml"] == sidecar  # validated by test_deploy_gateway.py
+    deployment = find("sidecar", "Deployment", "kvroute")
+    envoy = container(deployment, "envoy")
+    config = Path(flag(envoy["args"], "-c"))
+    (mount,) = [m for m in envoy["volumeMounts"] if m["mountPath"] == str(config.parent)]
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes[mount["name"]]["configMap"]["name"] == config_map["metadata"]["name"]
+    assert config.name == "envoy.yaml"
+
+
+def test_sidecar_wiring_envoy_picker_service() -> None:
+    """Service :80 -> Envoy's listener; Envoy's picker cluster -> kvroute's --ext-proc-port on
+    loopback; the drain hook reads Envoy's admin port and its listener's request gauge."""
+    _, bootstrap = _envoy_bootstrap()
+    deployment = find("sidecar", "Deployment", "kvroute")
+    envoy, kvroute = container(deployment, "envoy"), container(deployment, "kvroute")
+    static = bootstrap["static_resources"]
+    (listener,) = static["listeners"]
+    assert ports(envoy)["gateway"] == listener["address"]["socket_address"]["port_value"]
+    (picker,) = [c for c in static["clusters"] if c["name"] == "kvroute_picker"]
+    address = picker["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    address = address["address"]["socket_address"]
+    assert address["address"] == flag(kvroute["command"], "--ext-proc-host") == "127.0.0.1"
+    assert address["port_value"] == int(flag(kvroute["command"], "--ext-proc-port"))
+    service = find("sidecar", "Service", "kvroute")["spec"]["ports"]
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in service} == {
+        "http": (80, "gateway"),
+        "metrics": (8000, "http"),
+    }
+    env = {e["name"]: e["value"] for e in envoy["env"]}
+    assert (
+        int(env["ENVOY_ADMIN_PORT"])
+        == bootstrap["admin"]["address"]["socket_address"]["port_value"]
+    )
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    script = (OVERLAYS / "sidecar" / "envoy-drain.sh").read_text()
+    assert f"stat=${{DRAIN_STAT:-http.{manager['stat_prefix']}.downstream_rq_active}}" in script
+    assert flag(envoy["args"], "--drain-strategy") == "immediate"
+    assert envoy["lifecycle"]["preStop"]["exec"]["command"][0] == "bash"
+
+
+# ---- the gateway: the picker behind an InferencePool ---------------------------------------
+
+
+def test_gateway_picker_serves_grpc_and_http() -> None:
+    """The pool points at the picker's gRPC port; its HTTP port (not --no-proxy) serves the
+    metrics the ServiceMonitor scrapes; no HTTP proxy Deployment of its own."""
+    _, kvroute = router("gateway")
+    command = kvroute["command"]
+    assert "--no-proxy" not in command
+    grpc = int(flag(command, "--ext-proc-port"))
+    assert ports(kvroute) == {"http": int(flag(command, "--port")), "grpc": grpc}
+    pool = find("gateway", "InferencePool", "vllm-pool")["spec"]["endpointPickerRef"]
+    service = find("gateway", "Service", pool["name"])["spec"]["ports"]
+    (grpc_port,) = [p for p in service if p["port"] == pool["port"]["number"]]
+    assert grpc_port["targetPort"] == "grpc" and grpc_port["appProtocol"] == "kubernetes.io/h2c"
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in render("gateway")}
+    assert ("Deployment", "kvroute") not in kinds and ("Service", "kvroute") not in kinds

@@ -13,7 +13,7 @@ also the ext_proc picker with --picker), RSS read from /proc:
 
     .venv/bin/python deploy/k8s/measure_rss.py --runs 3 --seconds 30 --json out/rss.json
 
-Prints each run and the medians; the figures in deploy/k8s/kvroute.yaml's comment come from
+Prints each run and the medians; the figures in deploy/k8s/base/kvroute.yaml's comment come from
 it. On a shared machine the absolute numbers vary little (RSS is not a timing), but rerun it
 before changing the manifests.
 """
