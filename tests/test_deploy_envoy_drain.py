@@ -60,7 +60,7 @@ class Envoy:
         self.log = tmp / "envoy.log"
         with self.log.open("wb") as log:
             self.proc = subprocess.Popen(
-                [str(binary), *args, "--disable-hot-restart"],
+                [str(binary), *args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
