@@ -16,12 +16,13 @@ COPY indexer ./indexer
 COPY router ./router
 COPY engines ./engines
 COPY conformance ./conformance
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+# the router with its ext_proc endpoint picker (the grpc extra): one image for every mode
+RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[grpc]"
 
 FROM python:3.11-slim-bookworm@sha256:b18992999dbe963a45a8a4da40ac2b1975be1a776d939d098c647482bcad5cba
 RUN useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin kvroute
 COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir --no-index --find-links /wheels /wheels/kvroute-*.whl \
+RUN pip install --no-cache-dir --no-index --find-links /wheels "kvroute[grpc]==0.1.0" \
     && rm -rf /wheels
 COPY deploy/image/kvroute.yaml /etc/kvroute/kvroute.yaml
 USER 10001:10001

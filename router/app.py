@@ -19,7 +19,7 @@ from router.access import AccessLog
 from router.asgi import ClientGone, Message, Receive, Scope, Send, send_error
 from router.control import Control, is_control
 from router.core.config import Config
-from router.core.errors import KvrouteError
+from router.core.errors import KvrouteError, NotFound
 from router.core.fleet import FleetState
 from router.forward import Forwarder
 from router.metrics import RouterMetrics
@@ -165,12 +165,34 @@ class RouterApp:
                 door.start_draining()
 
     async def shutdown(self) -> None:
-        for door in reversed(self.doors):
-            await door.stop()
+        for door in reversed(self.doors):  # in-flight picker streams get the drain timeout
+            await door.stop(grace_s=self.config.drain_timeout_s)
         await self.pd.stop()
         await self.sources.stop()
         self.upstream.close()
         await self.client.aclose()
+
+
+class ProbesOnly:
+    """`--no-proxy`: the HTTP port serves only the probes and metrics (the picker is the
+    door); everything else is a 404 that says so."""
+
+    PATHS = frozenset({"/live", "/ready", "/health", "/metrics"})
+
+    def __init__(self, app: RouterApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.PATHS:
+            await send_error(
+                send,
+                NotFound(
+                    f"no route for {scope['path']}: this kvroute runs the Envoy picker only "
+                    "(--no-proxy); send requests through the gateway"
+                ),
+            )
+            return
+        await self.app(scope, receive, send)
 
 
 def _closing(send: Send) -> Send:

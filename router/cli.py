@@ -42,11 +42,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
             register: Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None] = (
                 importlib.import_module(module).register
             )
+            register(sub)
         except ImportError as exc:  # a command whose optional pieces are missing
             p = sub.add_parser(name, help=f"{help_text} (unavailable: {exc})")
             p.set_defaults(func=_unavailable(name, exc))
-            continue
-        register(sub)
     return parser
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import ipaddress
 import logging
 import os
@@ -349,12 +348,13 @@ def run(args: argparse.Namespace) -> int:
     if picker is not None:
         app.doors.append(picker)
         log.warning("Envoy ext_proc picker on %s:%d (gRPC)", picker.host, picker.port)
-    if getattr(args, "no_proxy", False):
-        return asyncio.run(_picker_alone(app))
+    from router.app import ProbesOnly
     from router.server import serve, server_config
 
+    asgi: Any = ProbesOnly(app) if getattr(args, "no_proxy", False) else app
+
     uv = server_config(
-        app,
+        asgi,
         config.host,
         config.port,
         header_timeout_s=config.header_timeout_s,
@@ -363,24 +363,6 @@ def run(args: argparse.Namespace) -> int:
         tls_key=config.tls_key,
     )
     serve(uv, app.start_draining, config.drain_delay_s)
-    return 0
-
-
-async def _picker_alone(app: Any) -> int:
-    """--no-proxy: the fleet and the picker, no HTTP listener; SIGTERM drains like serve."""
-    import signal
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await app.startup()
-    try:
-        await stop.wait()
-        app.start_draining()
-        await asyncio.sleep(app.config.drain_delay_s)
-    finally:
-        await app.shutdown()
     return 0
 
 

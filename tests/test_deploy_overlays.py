@@ -362,11 +362,11 @@ def test_sidecar_wiring_envoy_picker_service() -> None:
 
 
 def test_gateway_picker_serves_grpc_and_http() -> None:
-    """The pool points at the picker's gRPC port; its HTTP port (not --no-proxy) serves the
-    metrics the ServiceMonitor scrapes; no HTTP proxy Deployment of its own."""
+    """The pool points at the picker's gRPC port; its HTTP port (--no-proxy: probes and
+    metrics only) serves what the ServiceMonitor scrapes; no HTTP proxy Deployment."""
     _, kvroute = router("gateway")
     command = kvroute["command"]
-    assert "--no-proxy" not in command
+    assert "--no-proxy" in command
     grpc = int(flag(command, "--ext-proc-port"))
     assert ports(kvroute) == {"http": int(flag(command, "--port")), "grpc": grpc}
     pool = find("gateway", "InferencePool", "vllm-pool")["spec"]["endpointPickerRef"]

@@ -67,9 +67,13 @@ def test_serve_runs_the_picker_the_kit_accepts(proxy: bool, tmp_path: Path) -> N
         if proxy:
             ready = httpx.get(f"http://127.0.0.1:{http_port}/ready", timeout=5)
             assert ready.status_code == 200
-        else:
-            with pytest.raises(httpx.ConnectError):
-                httpx.get(f"http://127.0.0.1:{http_port}/ready", timeout=2)
+        else:  # probes and metrics only
+            base = f"http://127.0.0.1:{http_port}"
+            assert httpx.get(f"{base}/ready", timeout=5).status_code == 200
+            assert "kvroute_build_info" in httpx.get(f"{base}/metrics", timeout=5).text
+            body = {"model": "kvroute-sim", "prompt": "x"}
+            refused = httpx.post(f"{base}/v1/completions", json=body, timeout=5)
+            assert refused.status_code == 404 and "--no-proxy" in refused.text
         os.kill(router.pid, signal.SIGTERM)
         assert router.wait(60) == 0
     finally:

@@ -2,7 +2,8 @@
 
 1. hadolint passes on the Dockerfile;
 2. the wheel the image installs is built from this tree and installed into a fresh virtualenv
-   (with the compiled index core);
+   (with the compiled index core): first alone, where `kvroute --version` and `kvroute serve
+   --help` must work without any extra, then with the image's `grpc` extra;
 3. `kvroute --version` answers from it;
 4. the image's ENTRYPOINT + CMD run exactly as the image runs them, with the image's own
    default config (deploy/image/kvroute.yaml) changed only where a test must stay on
@@ -60,6 +61,9 @@ def dockerfile_command() -> list[str]:
 def hadolint() -> None:
     step("hadolint Dockerfile")
     subprocess.run([str(VENV_BIN / "hadolint"), str(ROOT / "Dockerfile")], check=True)
+    want = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    if f'"kvroute[grpc]=={want}"' not in (ROOT / "Dockerfile").read_text():
+        raise SystemExit(f"image smoke: the Dockerfile does not install kvroute {want}")
 
 
 def build_and_install(tmp: Path) -> Path:
@@ -86,7 +90,12 @@ def build_and_install(tmp: Path) -> Path:
     ).stdout.split()
     if "c" not in backends:
         raise SystemExit(f"image smoke: the wheel has no compiled index core ({backends})")
-    return venv / "bin"
+    bin_dir = venv / "bin"
+    version(bin_dir)  # no extra installed yet
+    subprocess.run([str(bin_dir / "kvroute"), "serve", "--help"], check=True, capture_output=True)
+    step("installing the image's extra: grpc")
+    subprocess.run([str(bin_dir / "pip"), "install", "-q", f"{wheel}[grpc]"], check=True)
+    return bin_dir
 
 
 def version(bin_dir: Path) -> None:
@@ -114,6 +123,7 @@ def run_entrypoint(bin_dir: Path, tmp: Path) -> None:
         smoke.write_text(yaml.safe_dump(config))
         command = dockerfile_command()
         command = [str(bin_dir / command[0]), *command[1:-1], str(smoke)]  # CMD's config path
+        command += ["--ext-proc-port", str(free_port())]  # the picker the image carries
         step(f"running the ENTRYPOINT: {' '.join(command)}")
         router = subprocess.Popen(command, env={**os.environ, "PATH": str(bin_dir)})
         base = f"http://127.0.0.1:{port}"
@@ -153,7 +163,6 @@ def main() -> int:
     try:
         hadolint()
         bin_dir = build_and_install(tmp)
-        version(bin_dir)
         run_entrypoint(bin_dir, tmp)
     finally:
         if "--keep" not in sys.argv:

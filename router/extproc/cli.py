@@ -3,7 +3,7 @@ it builds its parser and `server_from_args(args, svc)` once the decision service
 
     --ext-proc-port P            also serve Envoy's ExternalProcessor (gRPC) on P
     --ext-proc-host H            its listen address (default: the proxy's --host)
-    --no-proxy                   the picker alone: no HTTP proxy port
+    --no-proxy                   the picker alone: the HTTP port serves only the probes and metrics
     --ext-proc-tls-cert F --ext-proc-tls-key F [--ext-proc-tls-ca F]   TLS, mTLS with a CA
 """
 
@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from router.core.errors import ConfigError
-from router.extproc.exchange import DEFAULT_MAX_BODY
-from router.extproc.server import ExtProcServer, TlsFiles
-from router.routing import DecisionService
+
+if TYPE_CHECKING:  # grpc is an extra (kvroute[grpc]): imported only when the picker runs
+    from router.extproc.server import ExtProcServer
+    from router.routing import DecisionService
+
+DEFAULT_MAX_BODY = 32 * 1024 * 1024
+GRPC_HINT = "pip install 'kvroute[grpc]'"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--no-proxy",
         action="store_true",
-        help="run the picker alone, without the HTTP proxy (needs --ext-proc-port)",
+        help="run the picker alone: the HTTP port serves only /live, /ready, /health and "
+        "/metrics (needs --ext-proc-port)",
     )
     g.add_argument("--ext-proc-tls-cert", type=Path, metavar="F", help="server certificate (PEM)")
     g.add_argument("--ext-proc-tls-key", type=Path, metavar="F", help="its private key (PEM)")
@@ -45,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def tls_from_args(args: argparse.Namespace) -> TlsFiles | None:
+def tls_from_args(args: argparse.Namespace) -> Any:
     cert, key, ca = args.ext_proc_tls_cert, args.ext_proc_tls_key, args.ext_proc_tls_ca
     if cert is None and key is None:
         if ca is not None:
@@ -53,6 +59,8 @@ def tls_from_args(args: argparse.Namespace) -> TlsFiles | None:
         return None
     if cert is None or key is None:
         raise ConfigError("--ext-proc-tls-cert and --ext-proc-tls-key go together")
+    from router.extproc.server import TlsFiles
+
     return TlsFiles(cert, key, ca)
 
 
@@ -76,4 +84,10 @@ def server_from_args(
     if not 0 <= port <= 65535:
         raise ConfigError(f"--ext-proc-port {port}: a TCP port is 0..65535")
     host = args.ext_proc_host or default_host
+    try:
+        from router.extproc.server import ExtProcServer
+    except ImportError as exc:
+        raise ConfigError(
+            f"--ext-proc-port needs gRPC, which is not installed ({exc}): {GRPC_HINT}"
+        ) from None
     return ExtProcServer(svc, host, port, tls=tls_from_args(args), max_body_bytes=max_body_bytes)

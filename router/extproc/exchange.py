@@ -22,6 +22,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 
 from router.core.errors import KvrouteError, NoWorkerAvailable, PayloadTooLarge
 from router.extproc import gie
+from router.extproc.cli import DEFAULT_MAX_BODY  # bodies the picker takes (413 above)
 from router.forward import UsageSniffer, cached_tokens_of
 from router.openai_req import RoutingInput, parse
 from router.routing import Constraints, DecisionService
@@ -37,8 +38,7 @@ MAX_KEPT_RESPONSE = 1 << 20
 # The picker's first choice, on the response: with the gateway's served-endpoint header, a
 # client (router-check --gateway) sees whether the gateway followed the pick.
 WORKER_HEADER = "x-kvroute-worker"
-# FULL_DUPLEX_STREAMED bodies bypass Envoy's buffer limit: the picker enforces it (413).
-DEFAULT_MAX_BODY = 32 * 1024 * 1024
+
 Responses = list[gie.ProcessingResponse]
 _REQUEST_HEADERS = frozenset({":method", ":path"})
 _RESPONSE_HEADERS = frozenset({":status", "content-type"})

@@ -28,7 +28,8 @@ from grpc_health.v1.health import aio as health_aio
 
 from router.core.errors import ConfigError
 from router.extproc import gie
-from router.extproc.exchange import DEFAULT_MAX_BODY, Exchange
+from router.extproc.cli import DEFAULT_MAX_BODY
+from router.extproc.exchange import Exchange
 from router.routing import DecisionService
 
 log = logging.getLogger("kvroute.extproc")
