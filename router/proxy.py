@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 from router.access import AccessLog
 from router.asgi import Receive, Scope, Send, check_length, header, read_body
 from router.core.config import Config
-from router.core.decision import Decision
-from router.core.errors import MethodNotAllowed, UpstreamError
+from router.core.decision import Constraints, Decision, WorkerScore
+from router.core.errors import KvrouteError, MethodNotAllowed, UpstreamError
 from router.forward import ConnectFailed, Forwarder, Outcome, WorkerTimedOut, upstream_headers
 from router.metrics import RouterMetrics
 from router.openai_req import RoutingInput, parse, parse_passthrough
@@ -114,7 +114,12 @@ class ProxyDoor:
 
     async def _attempts(self, r: _Request, send: Send) -> None:
         failures: list[str] = []
-        for choice in r.decision.ranked[:2]:  # one retry, on the next best endpoint
+        tried: set[str] = set()
+        for _ in range(2):  # one retry, on the next best endpoint
+            choice = await self._next_choice(r, tried)
+            if choice is None:
+                break
+            tried.add(choice.worker)
             h = self.pool.handle_of(choice.worker)
             if h is None:
                 continue
@@ -151,6 +156,21 @@ class ProxyDoor:
                 if outcome is not None:
                     self.svc.finish(ticket, status=0, outcome=outcome)
         raise UpstreamError("no worker could take the request", detail="; ".join(failures))
+
+    async def _next_choice(self, r: _Request, tried: set[str]) -> WorkerScore | None:
+        """The best endpoint not tried yet. The first decision's runners-up are the retry
+        order; when the filters left none (a load bound can rule out every endpoint but the
+        one that just failed), the request is decided again without the ones tried."""
+        for choice in r.decision.ranked:
+            if choice.worker not in tried:
+                return choice
+        try:
+            r.decision = await self.svc.decide(
+                r.rin, constraints=Constraints(exclude=frozenset(tried))
+            )
+        except KvrouteError:
+            return None
+        return r.decision.ranked[0]
 
     def _first_byte(self, ticket: Ticket, r: _Request) -> None:
         self.svc.first_token(ticket)

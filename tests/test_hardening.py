@@ -17,7 +17,7 @@ import pytest
 
 from engines.sim.fleet import FleetProcess, start_fleet_process
 from router.app import RouterApp
-from router.core.config import Config, WorkerConfig
+from router.core.config import Config, ScoringConfig, WorkerConfig
 from router.procs import serve_in_process
 from router.tokenize import PACKAGED_TOKENIZER
 
@@ -148,6 +148,22 @@ async def test_a_hung_worker_is_ejected_and_its_waiting_requests_fail_over() -> 
             await asyncio.sleep(0.1)
         assert health["status"] != "ok" and hung in health["unhealthy_workers"]
         os.kill(s.fleets[1].pid, signal.SIGCONT)
+
+
+async def test_a_retry_is_decided_again_when_the_load_bound_left_no_runner_up() -> None:
+    """The worker holding a long stream is over the load bound, so the first decision ranks
+    only the other one; that one is dead (not yet ejected): the retry must still find a worker."""
+    scoring = ScoringConfig(balance_abs=0, balance_rel=1.0)
+    slow = {"health_check_interval_s": 30.0, "scrape_interval_s": 30.0}
+    async with router(2, scoring=scoring, **slow) as s:
+        long = body(DOC, max_tokens=1500, stream=True)
+        async with s.client.stream("POST", "/v1/completions", json=long) as held:
+            busy = held.headers["x-kvroute-worker"]
+            other = 1 if busy == s.name(0) else 0
+            os.kill(s.fleets[other].pid, signal.SIGKILL)
+            resp = await s.client.post("/v1/completions", json=body("another prompt entirely"))
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-kvroute-worker"] == busy
 
 
 # ---- defect 8: malformed input is a 4xx, never a traceback ------------------------------------

@@ -146,6 +146,9 @@ class Load:
         rng = random.Random(self.seed * 1000 + i)
         while not self.stop.is_set():
             fate = await self.one(client, prompt(rng))
+            if fate.startswith("refused:"):
+                self._note(f"answered {fate[len('refused:') :]} at {time.monotonic():.1f}")
+                fate = "refused"
             self.fates[fate] += 1
 
     async def one(self, client: httpx.AsyncClient, text: str) -> str:
@@ -176,8 +179,8 @@ class Load:
 async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> str:
     async with client.stream("POST", url, json=body) as resp:
         if resp.status_code != 200:
-            await resp.aread()
-            return "refused"
+            body = (await resp.aread())[:300].decode(errors="replace")
+            return f"refused:{resp.status_code} {body}"
         last = ""
         error = False
         async for line in resp.aiter_lines():
