@@ -179,8 +179,8 @@ class Load:
 async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> str:
     async with client.stream("POST", url, json=body) as resp:
         if resp.status_code != 200:
-            body = (await resp.aread())[:300].decode(errors="replace")
-            return f"refused:{resp.status_code} {body}"
+            answer = (await resp.aread())[:300].decode(errors="replace")
+            return f"refused:{resp.status_code} {answer}"
         last = ""
         error = False
         async for line in resp.aiter_lines():
