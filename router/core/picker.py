@@ -45,7 +45,8 @@ class Picker:
         weights = profile.weights
         scores = [self._score(c, raw, weights, relaxed=f.relaxed.get(c.name)) for c in f.eligible]
         ranked = profile.policy.order(scores, profile.state)
-        out = [self._score(c, {}, weights, f.excluded[c.name]) for c in cands if c.name in f.excluded]
+        ex = f.excluded
+        out = [self._score(c, {}, weights, ex[c.name]) for c in cands if c.name in ex]
         return Decision(
             profile.name, profile.policy.name, req, ranked, out, hashes, timings, weights, tokens
         )
