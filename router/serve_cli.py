@@ -138,9 +138,10 @@ def _routing_args(p: argparse.ArgumentParser) -> None:
 def _overload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "overload: busy thresholds and shedding (default: no bound; README: Overload)",
-        "A worker at a bound is busy: it gets no new request while another worker can take "
-        "it, even when it holds the prompt's prefix. When every worker is busy the request "
-        "still goes to the best of them, unless --shed refuses it.",
+        "A worker at a bound is busy: it gets no new request while another worker can\n"
+        "take it, even when it holds the prompt's prefix. When every worker is busy the\n"
+        "request still goes to the best of them, unless --shed refuses it. YAML:\n"
+        "busy_max_requests, busy_max_kv_usage, shed.",
     )
     g.add_argument(
         "--busy-max-requests",

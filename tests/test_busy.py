@@ -202,6 +202,7 @@ def test_help_teaches_the_overload_flags(capsys: pytest.CaptureFixture[str]) -> 
     for needle in ("--busy-max-requests N", "--busy-max-kv-usage F", "--shed", "429"):
         assert needle in out
     assert "When every worker is busy the request still goes to the best of them" in out
+    assert "busy_max_requests, busy_max_kv_usage, shed" in out
 
 
 # ---- the ext_proc door ------------------------------------------------------------------
