@@ -75,7 +75,8 @@ async def send_json(
 async def send_error(
     send: Send, err: KvrouteError, headers: list[tuple[bytes, bytes]] | None = None
 ) -> None:
-    await send_json(send, err.status, err.body(), headers)
+    own = [(k.encode(), v.encode()) for k, v in err.headers()]
+    await send_json(send, err.status, err.body(), [*own, *(headers or [])])
 
 
 async def send_bytes(send: Send, status: int, body: bytes, content_type: bytes) -> None:

@@ -204,7 +204,7 @@ class Control:
             body, kind = msgspec.json.encode({"prompt": prompt, "model": model}), "completion"
         rin = parse(kind, body)
         pd = self.pd if self.pd is not None and self.pd.active else None
-        decision = await self.svc.decide(rin, profile="decode" if pd else "default")
+        decision = await self.svc.decide(rin, profile="decode" if pd else "default", dry_run=True)
         out = decision_doc(decision)
         if pd is not None:
             out["pd"] = await pd.explain(decision, rin, msgspec.json.decode(body))
@@ -238,6 +238,7 @@ def decision_doc(decision: Decision) -> dict[str, Any]:
                 "capacity_blocks": s.capacity_blocks,
                 "mode": s.mode,
                 "excluded": s.excluded,
+                "relaxed": s.relaxed,
             }
             for s in [*decision.ranked, *decision.excluded]
         ],

@@ -68,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     for w in doc["workers"]:
         terms = " + ".join(f"{k} {v:.3f}" for k, v in w["weighted"].items())
         cache = f"{w['cached_blocks']}/{w['capacity_blocks'] or '?'}"
-        note = f"  [{w['excluded']}]" if w["excluded"] else ""
+        why = w["excluded"] or w.get("relaxed")
+        note = f"  [{why}]" if why else ""
         print(
             f"{w['worker']:<24} {w['total']:>7.3f} {w['overlap_blocks']:>5} blk "
             f"{w['requests_in_flight']:>9} {cache:>12}  {terms}{note}"

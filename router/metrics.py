@@ -92,6 +92,13 @@ class RouterMetrics:
             ["worker", "result"],
             registry=r,
         )
+        self.shed = Counter(
+            "kvroute_requests_shed_total",
+            "Requests refused with 429 because every eligible worker was busy (--shed, "
+            "--busy-max-requests, --busy-max-kv-usage)",
+            ["model"],
+            registry=r,
+        )
         self.retries = Counter(
             "kvroute_retries_total",
             "Requests retried on another worker after a connect failure",

@@ -10,7 +10,9 @@
 pool), namespaces it (model, LoRA adapter, cache_salt) and asks the pure picker
 (`router.core.picker`) with the named profile over the shared fleet state. Errors are the
 project's error tree: 404 for a model nobody serves (listing the served ones), 503 when no
-endpoint is eligible, 400 for a request that cannot be tokenized.
+endpoint is eligible, 429 when every endpoint is busy and shedding is on (counted in
+`kvroute_requests_shed_total`; a `dry_run` decision is never shed), 400 for a request that
+cannot be tokenized.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from indexer.clock import Clock
 from indexer.hashing import Namespace
 from router.core.config import Config
 from router.core.decision import Constraints, Decision, RouteRequest
-from router.core.errors import BadRequest, NoWorkerAvailable
+from router.core.errors import BadRequest, NoWorkerAvailable, Overloaded
 from router.core.filters import serves, unknown_model
 from router.core.fleet import FleetState
 from router.core.load import Ticket as LoadTicket
@@ -104,6 +106,7 @@ class DecisionService:
         *,
         profile: str | None = None,
         constraints: Constraints | None = None,
+        dry_run: bool = False,
     ) -> Decision:
         t0 = time.perf_counter()
         self._check_model(rin.model)
@@ -121,8 +124,13 @@ class DecisionService:
             constraints=constraints or NO_CONSTRAINTS,
             max_tokens=rin.max_tokens,
             n=rin.n,
+            dry_run=dry_run,
         )
-        decision = self.picker.pick(self.profiles[profile or self.door_profile], req, tokens)
+        try:
+            decision = self.picker.pick(self.profiles[profile or self.door_profile], req, tokens)
+        except Overloaded:
+            self.metrics.child(self.metrics.shed, self.model_label(rin.model)).inc()
+            raise
         if not decision.ranked:
             raise NoWorkerAvailable("no worker is eligible for this request")
         self.metrics.decision_seconds.observe(time.perf_counter() - t0)

@@ -67,6 +67,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     _fleet_args(p)
     _routing_args(p)
+    _overload_args(p)
     _pd_args(p)
     _operator_args(p)
     from router.extproc.cli import add_arguments as ext_proc_arguments
@@ -132,6 +133,37 @@ def _routing_args(p: argparse.ArgumentParser) -> None:
         help="tokens per KV block, if not learned from the workers' events or metrics",
     )
     p.add_argument("--seed", type=int, help="seed for the random policy and softmax sampling")
+
+
+def _overload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "overload: busy thresholds and shedding (default: no bound; README: Overload)",
+        "A worker at a bound is busy: it gets no new request while another worker can\n"
+        "take it, even when it holds the prompt's prefix. When every worker is busy the\n"
+        "request still goes to the best of them, unless --shed refuses it. YAML:\n"
+        "busy_max_requests, busy_max_kv_usage, shed.",
+    )
+    g.add_argument(
+        "--busy-max-requests",
+        type=int,
+        metavar="N",
+        help="busy at N running+waiting requests (this router's and, from its /metrics, "
+        "everyone's); e.g. the engine's --max-num-seqs",
+    )
+    g.add_argument(
+        "--busy-max-kv-usage",
+        type=float,
+        metavar="F",
+        help="busy at this fraction of its KV cache in use, 0..1 (vllm:kv_cache_usage_perc), "
+        "e.g. 0.95",
+    )
+    g.add_argument(
+        "--shed",
+        action="store_true",
+        default=None,
+        help="when every worker is busy, answer 429 (OpenAI rate_limit_error, Retry-After: 1) "
+        "instead of queueing on a busy worker; counted in kvroute_requests_shed_total",
+    )
 
 
 def _pd_args(p: argparse.ArgumentParser) -> None:
@@ -250,6 +282,9 @@ _PLAIN = [
     "health_degraded_ok",
     "worker_header",
     "seed",
+    "busy_max_requests",
+    "busy_max_kv_usage",
+    "shed",
     "workers_file",
     "workers_dns",
     "worker_api_key",

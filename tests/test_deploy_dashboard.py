@@ -31,6 +31,7 @@ FAILURE_ONLY = {
     "kvroute_retries_total",
     "kvroute_stream_errors_total",
     "kvroute_kv_malformed_total",
+    "kvroute_requests_shed_total",  # only under overload with --shed
 }
 GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h"}
 Doc = dict[str, Any]

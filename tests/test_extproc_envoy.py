@@ -121,6 +121,7 @@ async def test_errors_come_back_in_openai_shape(mode: str) -> None:
         gw.svc.shed = True
         shed = await gw.complete("too busy")
         assert shed.status_code == 429 and shed.json()["error"]["type"] == "rate_limit_error"
+        assert shed.headers["retry-after"] == "1"  # the immediate response's own header
         assert all(SERVED not in r.headers for r in (bad, unknown, shed))  # no worker saw them
 
 

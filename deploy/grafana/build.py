@@ -234,6 +234,13 @@ def index_and_failures() -> list[Panel]:
             "Streams that ended with an error event after they started",
         ),
         series("Retries", [q(rate("kvroute_retries_total", "worker", W))], "ops"),
+        series(
+            "Shed (429)",
+            [q(rate("kvroute_requests_shed_total", "model", M))],
+            "reqps",
+            "Requests refused because every eligible worker was busy (--shed): raise "
+            "--busy-max-requests / --busy-max-kv-usage or add workers",
+        ),
     ]
 
 

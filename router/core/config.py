@@ -102,6 +102,11 @@ class Config:
     # worker whose removals were lost cannot crowd the others out of the index
     index_cap_margin: float = 2.0
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    # overload (the `busy` filter): a worker at a bound takes no new request while another
+    # can; when every worker is busy it still serves, unless `shed` refuses with 429
+    busy_max_requests: int | None = None  # running+waiting requests per worker
+    busy_max_kv_usage: float | None = None  # KV cache use per worker, 0..1
+    shed: bool = False
     seed: int | None = None
     workers_file: str | None = None  # reloaded on change
     workers_dns: str | None = None  # HOST:PORT of a headless Service: one worker per A record
@@ -176,9 +181,34 @@ class Config:
             _check(weight >= 0, f"scoring.weights.{scorer}", "weights must be >= 0")
         _check(self.scoring.balance_abs >= 0, "scoring.balance_abs", "must be >= 0")
         _check(self.scoring.balance_rel >= 1, "scoring.balance_rel", "must be >= 1")
+        self._check_busy()
         for model, spec in self.tokenizers.items():
             _check(bool(model) and bool(spec), f"tokenizers.{model}", "give MODEL: PATH|remote")
         self._check_pd()
+
+    def _check_busy(self) -> None:
+        if self.busy_max_requests is not None:
+            _check(
+                self.busy_max_requests >= 1,
+                "busy_max_requests",
+                f"{self.busy_max_requests}: a worker needs room for at least 1 request; "
+                "use e.g. vLLM's --max-num-seqs, or leave it unset for no bound",
+            )
+        if self.busy_max_kv_usage is not None:
+            _check(
+                0 < self.busy_max_kv_usage <= 1,
+                "busy_max_kv_usage",
+                f"{self.busy_max_kv_usage}: a fraction of the KV cache in (0, 1], e.g. 0.95, "
+                "or leave it unset for no bound",
+            )
+        _check(
+            not self.shed
+            or self.busy_max_requests is not None
+            or self.busy_max_kv_usage is not None,
+            "shed",
+            "sheds nothing without a bound: set busy_max_requests (--busy-max-requests) "
+            "or busy_max_kv_usage (--busy-max-kv-usage)",
+        )
 
     def _check_pd(self) -> None:
         pd_threshold(self.pd_threshold)  # raises naming the field
@@ -193,7 +223,13 @@ class Config:
         `decode` and `prefill` (the same scoring, only workers of that role)."""
         s = self.scoring
         filter_params: dict[str, dict[str, Any]] = {
-            "load_bound": {"balance_abs": s.balance_abs, "balance_rel": s.balance_rel}
+            "load_bound": {"balance_abs": s.balance_abs, "balance_rel": s.balance_rel},
+            "busy": {
+                "max_requests": self.busy_max_requests,
+                "max_kv_usage": self.busy_max_kv_usage,
+                # a busy prefill pool means prefilling on the decode worker, never a 429
+                "shed": self.shed and name != "prefill",
+            },
         }
         roles = PD_ROLES.get(name)
         if roles is not None:

@@ -29,6 +29,7 @@ class RouteRequest:
     constraints: Constraints = Constraints()
     max_tokens: int = 16
     n: int = 1
+    dry_run: bool = False  # /debug/route: nothing is sent, so nothing is refused for load
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class WorkerScore:
     capacity_blocks: int | None
     mode: str
     excluded: str | None = None  # why it is not eligible (the filter's reason)
+    relaxed: str | None = None  # eligible only because a filter was relaxed, and which
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,8 @@ class Decision:
 
 def _line(s: WorkerScore) -> str:
     terms = " + ".join(f"{k} {s.weighted[k]:.3f} ({s.raw[k]:.3f})" for k in s.raw)
-    note = f"  [{s.excluded}]" if s.excluded else ""
+    why = s.excluded or s.relaxed
+    note = f"  [{why}]" if why else ""
     return (
         f"{s.worker}: total {s.total:.3f} = {terms or 'n/a'}; overlap "
         f"{s.overlap_blocks} blocks {s.overlap_by_tier}, load {s.requests} req / "

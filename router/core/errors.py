@@ -2,7 +2,8 @@
 OpenAI-style `type` and an HTTP status (also the status of an ext_proc immediate response).
 
 `message` goes to the client; `detail` (worker addresses, upstream texts) only to the log:
-client error bodies never carry internal addresses."""
+client error bodies never carry internal addresses. `headers()` are response headers both
+doors add to the error (Retry-After on a 429)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ class KvrouteError(Exception):
                 "code": self.code or self.status,
             }
         }
+
+    def headers(self) -> list[tuple[str, str]]:
+        """Extra response headers for this error (lower-case names)."""
+        return []
 
 
 class BadRequest(KvrouteError):
@@ -65,8 +70,25 @@ class PayloadTooLarge(KvrouteError):
 
 
 class Overloaded(KvrouteError):
+    """Every endpoint is past its busy bound and shedding is on: the client should retry
+    (OpenAI's clients retry a 429 after Retry-After)."""
+
     status = 429
     type = "rate_limit_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        detail: str | None = None,
+        retry_after_s: int = 1,
+    ) -> None:
+        super().__init__(message, param=param, detail=detail)
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> list[tuple[str, str]]:
+        return [("retry-after", str(self.retry_after_s))]
 
 
 class UpstreamError(KvrouteError):

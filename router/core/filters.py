@@ -5,12 +5,16 @@ A filter names the endpoints it rules out and why (the reason shows in the decis
 explanation). When it would rule out every endpoint left, it either fails the request with
 its own error (`when_empty` returns one: a model nobody serves is a 404 naming the served
 models) or is relaxed (`when_empty` returns None: a load bound must not refuse work that
-nobody else can take).
+nobody else can take). A relaxed filter's reasons still show, as notes on the endpoints it
+let through.
 
     model       the endpoint serves the requested model or adapter (404 otherwise)
     available   not ejected (health checks, connect failures, timeouts), not draining (503)
     subset      in the gateway's subset hint, when the door passes one (503)
     tried       not already tried for this request (503)
+    busy        under the fleet's busy bounds: fewer than max_requests running+waiting, KV
+                cache less than max_kv_usage full (relaxed when every endpoint is busy: the
+                least bad one still serves; with shed on, a 429 naming the bound instead)
     load_bound  not more than balance_abs requests above the least loaded endpoint, or
                 balance_rel times it (relaxed: a hot prefix spills over, never refused)
     role        the endpoint's P/D role is one of `roles` (the decode and prefill profiles
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from router.core.decision import RouteRequest
-from router.core.errors import KvrouteError, NotFound, NoWorkerAvailable
+from router.core.errors import KvrouteError, NotFound, NoWorkerAvailable, Overloaded
 from router.core.fleet import FleetState, WorkerState
 from router.core.registry import Registry
 from router.core.scoring import Candidate, NoParams
@@ -189,6 +193,80 @@ class LoadBoundFilter:
 
 
 @dataclass(frozen=True)
+class BusyParams:
+    """Dynamo's busy thresholds (`--active-decode-blocks-threshold`); None: no bound."""
+
+    max_requests: int | None = None  # busy at this many running+waiting requests
+    max_kv_usage: float | None = None  # busy at this KV cache use, 0..1
+    shed: bool = False  # every endpoint busy: refuse with 429 instead of relaxing
+
+    def __post_init__(self) -> None:
+        if self.max_requests is not None and self.max_requests < 1:
+            raise ValueError(f"max_requests {self.max_requests}: must be >= 1 (or unset)")
+        if self.max_kv_usage is not None and not 0 < self.max_kv_usage <= 1:
+            raise ValueError(f"max_kv_usage {self.max_kv_usage}: must be in (0, 1] (or unset)")
+
+
+class BusyFilter:
+    """An endpoint at a busy bound takes no new request while another one can. KV use is
+    the engine's own gauge when scraped, else this router's decode blocks over the cache."""
+
+    name = "busy"
+
+    def __init__(self, params: BusyParams) -> None:
+        self.params = params
+
+    def exclude(
+        self, req: RouteRequest, cands: Sequence[Candidate], fleet: FleetState
+    ) -> dict[str, str]:
+        out = {}
+        for c in cands:
+            why = self._why(c)
+            if why is not None:
+                out[c.name] = why
+        return out
+
+    def _why(self, c: Candidate) -> str | None:
+        p = self.params
+        if p.max_requests is not None and c.load.requests >= p.max_requests:
+            return f"busy: {c.load.requests} running+waiting >= busy_max_requests {p.max_requests}"
+        usage = kv_usage(c)
+        if p.max_kv_usage is not None and usage is not None and usage >= p.max_kv_usage:
+            return f"busy: KV cache {usage:.2f} full >= busy_max_kv_usage {p.max_kv_usage}"
+        return None
+
+    def when_empty(
+        self, req: RouteRequest, excluded: Mapping[str, str], fleet: FleetState
+    ) -> KvrouteError | None:
+        if not self.params.shed or req.dry_run:
+            return None
+        return Overloaded(
+            f"All {len(excluded)} eligible workers are busy ({self._bounds()}) and kvroute "
+            "sheds load: retry shortly. Operators: raise --busy-max-requests or "
+            "--busy-max-kv-usage, or add workers.",
+            detail="; ".join(f"{n} {why}" for n, why in sorted(excluded.items())),
+        )
+
+    def _bounds(self) -> str:
+        p = self.params
+        bounds = []
+        if p.max_requests is not None:
+            bounds.append(f"{p.max_requests} running+waiting requests, --busy-max-requests")
+        if p.max_kv_usage is not None:
+            bounds.append(f"KV cache {p.max_kv_usage} full, --busy-max-kv-usage")
+        return "; ".join(bounds)
+
+
+def kv_usage(c: Candidate) -> float | None:
+    """The engine's KV cache use (0..1): scraped, or estimated from decode blocks."""
+    if c.load.kv_usage is not None:
+        return c.load.kv_usage
+    if c.capacity_blocks:
+        return c.load.decode_blocks / c.capacity_blocks
+    return None
+
+
+@dataclass(frozen=True)
 class RoleParams:
     roles: tuple[str, ...] = ("decode", "both")  # prefill | decode | both
 
@@ -225,8 +303,16 @@ register("model", ModelFilter, NoParams)
 register("available", AvailableFilter, NoParams)
 register("subset", SubsetFilter, NoParams)
 register("tried", TriedFilter, NoParams)
+register("busy", BusyFilter, BusyParams)
 register("load_bound", LoadBoundFilter, LoadBoundParams)
 register("role", RoleFilter, RoleParams)
+
+
+@dataclass
+class Filtered:
+    eligible: list[Candidate]
+    excluded: dict[str, str]  # endpoint -> the first reason that ruled it out
+    relaxed: dict[str, str]  # eligible endpoint -> the first reason a relaxed filter waived
 
 
 def apply_filters(
@@ -234,19 +320,20 @@ def apply_filters(
     req: RouteRequest,
     cands: Sequence[Candidate],
     fleet: FleetState,
-) -> tuple[list[Candidate], dict[str, str]]:
-    """The eligible candidates, and every excluded one with the first reason that hit it."""
-    eligible = list(cands)
-    excluded: dict[str, str] = {}
+) -> Filtered:
+    """Run the profile's filters in order over the candidates."""
+    done = Filtered(list(cands), {}, {})
     for f in filters:
-        out = f.exclude(req, eligible, fleet)
+        out = f.exclude(req, done.eligible, fleet)
         if not out:
             continue
-        if len(out) >= len(eligible):
+        if len(out) >= len(done.eligible):
             err = f.when_empty(req, out, fleet)
             if err is not None:
                 raise err
-            continue  # relaxed: it may not rule out everyone left
-        excluded.update(out)
-        eligible = [c for c in eligible if c.name not in out]
-    return eligible, excluded
+            for name, why in out.items():  # relaxed: it may not rule out everyone left
+                done.relaxed.setdefault(name, f"{why} (relaxed: no other worker left)")
+            continue
+        done.excluded.update(out)
+        done.eligible = [c for c in done.eligible if c.name not in out]
+    return done

@@ -40,12 +40,13 @@ class Picker:
         hashes = {bs: _hashes(tokens, bs, req.namespace) for bs in {w.block_size for w in pool}}
         lookups = {bs: self._lookups(h, pool) for bs, h in hashes.items()}
         cands = [self._candidate(w, lookups[w.block_size]) for w in pool]
-        eligible, excluded = apply_filters(profile.filters, req, cands, self.fleet)
-        raw, timings = self._run_scorers(profile, ScoreRequest(req.prompt_tokens), eligible)
+        f = apply_filters(profile.filters, req, cands, self.fleet)
+        raw, timings = self._run_scorers(profile, ScoreRequest(req.prompt_tokens), f.eligible)
         weights = profile.weights
-        scores = [self._score(c, raw, weights) for c in eligible]
+        scores = [self._score(c, raw, weights, relaxed=f.relaxed.get(c.name)) for c in f.eligible]
         ranked = profile.policy.order(scores, profile.state)
-        out = [self._score(c, {}, weights, excluded[c.name]) for c in cands if c.name in excluded]
+        ex = f.excluded
+        out = [self._score(c, {}, weights, ex[c.name]) for c in cands if c.name in ex]
         return Decision(
             profile.name, profile.policy.name, req, ranked, out, hashes, timings, weights, tokens
         )
@@ -131,6 +132,7 @@ class Picker:
         raw: dict[str, dict[str, float]],
         weights: dict[str, float],
         excluded: str | None = None,
+        relaxed: str | None = None,
     ) -> WorkerScore:
         mine = {name: per[c.name] for name, per in raw.items()}
         weighted = {name: weights[name] * v for name, v in mine.items()}
@@ -149,6 +151,7 @@ class Picker:
             capacity_blocks=c.capacity_blocks,
             mode=c.mode,
             excluded=excluded,
+            relaxed=relaxed,
         )
 
 

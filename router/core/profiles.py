@@ -18,13 +18,13 @@ from router.core.policies import Policy, PolicyState
 from router.core.scorers import build_scorers
 from router.core.scoring import Scorer
 
-DEFAULT_FILTERS = ("model", "available", "subset", "tried", "load_bound")
+DEFAULT_FILTERS = ("model", "available", "subset", "tried", "busy", "load_bound")
 # the prefill->decode handoff's profiles: the default filters plus the workers' role
 PD_ROLES: dict[str, tuple[str, ...]] = {
     "decode": ("decode", "both"),
     "prefill": ("prefill", "both"),
 }
-PD_FILTERS = ("model", "role", "available", "subset", "tried", "load_bound")
+PD_FILTERS = ("model", "role", "available", "subset", "tried", "busy", "load_bound")
 
 
 @dataclass

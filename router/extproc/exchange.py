@@ -205,4 +205,6 @@ class Exchange:
 
 def _error(exc: KvrouteError) -> gie.ProcessingResponse:
     log.debug("immediate %d: %s", exc.status, exc.message)
-    return gie.immediate(exc.status, _encode(exc.body()), details=type(exc).__name__)
+    return gie.immediate(
+        exc.status, _encode(exc.body()), details=type(exc).__name__, headers=exc.headers()
+    )

@@ -159,13 +159,19 @@ def streamed_chunks(body: bytes, phase: str = "request_body") -> list[pb.Process
 
 
 def immediate(
-    status: int, body: bytes, *, content_type: str = "application/json", details: str = ""
+    status: int,
+    body: bytes,
+    *,
+    content_type: str = "application/json",
+    details: str = "",
+    headers: Iterable[tuple[str, str]] = (),
 ) -> pb.ProcessingResponse:
-    """Answer the client without an upstream (errors, GET /v1/models)."""
+    """Answer the client without an upstream (errors, GET /v1/models); `headers` are extra
+    response headers (an error's Retry-After)."""
     resp = pb.ProcessingResponse()
     imm = resp.immediate_response
     imm.status.code = status  # envoy.type.v3.StatusCode values are the HTTP codes
     imm.body = body
     imm.details = details
-    _set_headers(imm.headers, [("content-type", content_type)])
+    _set_headers(imm.headers, [("content-type", content_type), *headers])
     return resp
