@@ -22,7 +22,7 @@ from router.access import AccessLog
 from router.asgi import Receive, Scope, Send, check_length, header, read_body
 from router.core.config import Config
 from router.core.decision import Constraints, Decision, WorkerScore
-from router.core.errors import KvrouteError, MethodNotAllowed, UpstreamError
+from router.core.errors import KvrouteError, MethodNotAllowed, Overloaded, UpstreamError
 from router.forward import ConnectFailed, Forwarder, Outcome, WorkerTimedOut, upstream_headers
 from router.metrics import RouterMetrics
 from router.openai_req import RoutingInput, parse, parse_passthrough
@@ -168,6 +168,8 @@ class ProxyDoor:
             r.decision = await self.svc.decide(
                 r.rin, constraints=Constraints(exclude=frozenset(tried))
             )
+        except Overloaded:
+            raise  # shedding is on and every worker left is busy: the client may retry later
         except KvrouteError:
             return None
         return r.decision.ranked[0]
