@@ -84,6 +84,30 @@ def test_new_prefix_goes_where_the_cache_has_room() -> None:
     assert d.best.raw["headroom"] > d.score_of("w0").raw["headroom"]
 
 
+def test_new_prefixes_are_homed_by_recent_demand_not_by_the_load_of_the_moment() -> None:
+    """w0 is home to three prefixes (routed, finished), w1 to one that is still running: a
+    new prefix goes to w1, the cache with less demand, though w1 is the busier now; a repeat
+    still follows its prefix."""
+    c = core()
+    for s in range(3):
+        c.load.finish(c.commit(c.route(prompt(20 + s), NS), "w0"))
+    c.commit(c.route(prompt(30), NS), "w1")  # in flight
+    d = c.route(prompt(99), NS)
+    assert d.best.worker == "w1", d.best
+    assert d.best.raw["placement"] == 1 - 8 / 24 and d.score_of("w0").raw["placement"] == 0.0
+    assert d.score_of("w0").raw["load"] > d.best.raw["load"]
+    again = c.route(prompt(21), NS)
+    assert again.best.worker == "w0" and again.best.raw["placement"] == 1.0
+
+
+def test_placement_can_be_turned_off() -> None:
+    c = core(weights={"prefix": 1.0, "load": 0.5, "headroom": 0.1})
+    for s in range(3):
+        c.load.finish(c.commit(c.route(prompt(20 + s), NS), "w0"))
+    c.commit(c.route(prompt(30), NS), "w1")
+    assert c.route(prompt(99), NS).best.worker == "w0"  # the least loaded of the moment
+
+
 def test_prediction_covers_siblings_before_events_arrive() -> None:
     c = core()
     first = c.route(prompt(3), NS)

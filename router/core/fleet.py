@@ -59,6 +59,8 @@ class FleetState:
     ) -> None:
         self.index = PrefixIndex(max_entries=max_index_entries)
         self.predictions = TtlIndex(clock, prediction_ttl_s)
+        # what was routed to each endpoint within approx_ttl_s: the cache guess of approx-mode
+        # endpoints, and every endpoint's recent demand on its cache (the placement scorer)
         self.approx = TtlIndex(clock, approx_ttl_s)
         self.load = LoadTracker()
         self.workers: dict[str, WorkerState] = {}

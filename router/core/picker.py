@@ -60,14 +60,14 @@ class Picker:
         s = decision.score_of(worker)
         hashes = decision.hashes.get(state.block_size, [])
         expects = False
+        # every endpoint's recent demand (the placement scorer); approx mode's cache guess
+        self.fleet.approx.record(worker, hashes)
         if state.mode == EVENTS:
             self.fleet.predictions.record(worker, hashes)
             if state.health is not None:
                 known = self.fleet.index.find_matches(hashes).get(worker)
                 expects = len(hashes) > (known.blocks if known else 0)
                 state.health.note_request(expects)
-        else:
-            self.fleet.approx.record(worker, hashes)
         profile.state.turns += 1
         uncached = max(0, decision.prompt_tokens - s.overlap_blocks * state.block_size)
         blocks = math.ceil(decision.prompt_tokens / state.block_size) + extra_blocks
@@ -111,6 +111,7 @@ class Picker:
             capacity_blocks=w.capacity_blocks,
             caching=w.caching,
             mode=w.mode,
+            routed_blocks=self.fleet.approx.entries_of(w.name),
         )
 
     def _run_scorers(

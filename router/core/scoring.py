@@ -30,6 +30,7 @@ class Candidate:
     capacity_blocks: int | None  # the worker's KV cache size in blocks, if known
     caching: bool = True  # false when the engine runs with prefix caching off
     mode: str = "events"  # where the overlap came from: events (exact) or approx
+    routed_blocks: int = 0  # distinct blocks routed here within approx_ttl_s (recent demand)
 
     @property
     def overlap_blocks(self) -> int:
