@@ -87,8 +87,9 @@ class RouterProcess(_Stoppable):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # /admin and /debug are off without a token: each router gets its own (callers
-        # pass it to router-check and kvroute explain)
-        self.admin_token = secrets.token_hex(16)
+        # pass it to router-check and kvroute explain), unless the caller's environment
+        # names one (a diagnosis that asks routers it did not start for explanations)
+        self.admin_token = os.environ.get("KVROUTE_ADMIN_TOKEN") or secrets.token_hex(16)
         cmd = [
             sys.executable,
             "-m",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import os
 import re
 import statistics
 from pathlib import Path
@@ -50,6 +51,8 @@ def main() -> None:
     )
     args = p.parse_args()
     if args.explain:
+        # /debug/route wants the admin token; the routers started here inherit it
+        os.environ.setdefault("KVROUTE_ADMIN_TOKEN", "routing-diag")
         driver.one = _explained(driver.one)
     if args.router == "kvroute-replicas":
         target = replicas_target(args.config)
@@ -86,7 +89,10 @@ def diagnose(w: Workload, target: Any, seed: int) -> float:
 
 def _explained(one: Any) -> Any:
     async def wrapped(client: httpx.AsyncClient, url: str, r: Request) -> Sample:
-        doc = (await client.post(f"{url}/debug/route", json={"prompt": r.prompt})).json()
+        token = {"authorization": f"Bearer {os.environ['KVROUTE_ADMIN_TOKEN']}"}
+        doc = (
+            await client.post(f"{url}/debug/route", json={"prompt": r.prompt}, headers=token)
+        ).json()
         await _compare_belief(client, doc, r.prompt)
         sample: Sample = await one(client, url, r)
         DECISIONS.append((r, doc, sample))
@@ -97,6 +103,8 @@ def _explained(one: Any) -> Any:
 
 async def _compare_belief(client: httpx.AsyncClient, doc: dict[str, Any], prompt: str) -> None:
     """The router's overlap per worker against the engine's ground truth, at decision time."""
+    if "workers" not in doc:
+        raise SystemExit(f"/debug/route did not explain the decision: {doc}")
     for x in doc["workers"]:
         truth = await client.post(
             f"http://{x['worker']}/sim/cached_tokens", json={"prompt": prompt}
