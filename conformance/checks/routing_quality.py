@@ -39,7 +39,7 @@ ROUTERS = ("kvroute", "round_robin", "sglang-router-cache_aware")
 # in a 4/2 split with nothing lost and a 5/1 split losing ~0.01, so two KV-aware routers that
 # split them differently still score alike (a 900-token shape made a 4/2 split cost 0.05,
 # and kvroute and sglang-router each drew 3/3 or 4/2 by timing). Spread over both engines,
-# every prefix is prefilled cold on each, and all 6 plus the tails overflow an engine.
+# every prefix is prefilled cold on each, and each engine churns through all 6 and the tails.
 SHAPE = Repetition(
     prefixes=6,
     per_prefix=4,
@@ -52,10 +52,10 @@ SHAPE = Repetition(
     output_len=8,
 )
 SEEDS = (0, 1)  # two orders of the same texts (48 requests): the figure is their mean
-# Measured on real vLLM here, 2 cores (one order each): kvroute 0.608 (the capacity-aware
-# ideal) in 3 of 3 runs, sglang-router 0.608 or 0.551 (all on one engine), round robin
-# 0.374-0.438. The margin is well under that gap (>= 0.17) so a noisy run passes, yet a
-# router that ignores the cache (kvroute placing like round robin) cannot.
+# Measured on real vLLM here, 2 cores, 7 runs of each order: kvroute 0.608 (the
+# capacity-aware ideal) every time, whatever its split (3/3, 4/2, 5/1); sglang-router 0.608,
+# once 0.551 (all on one engine); round robin 0.374-0.440. The margin is well under that gap
+# (>= 0.17), so a noisy run passes, yet a router that ignores the cache cannot.
 MARGIN = 0.10
 SGLANG_SLACK = 0.02
 SGLANG = "sglang-router-cache_aware"
