@@ -1,9 +1,19 @@
 """The conformance checks, and the order they run in: chosen so that engines are shared
 (the 32-byte engine first, then stopped; everything on `main`; the restart last but one;
+routing quality on the two workers before the fleet check restarts one without events;
 the two-worker fleet, then the prefill->decode pair, which starts its own engines)."""
 
 from conformance import faults
-from conformance.checks import chaining, fidelity, fleet, pd, replay, tokenizer, wire_format
+from conformance.checks import (
+    chaining,
+    fidelity,
+    fleet,
+    pd,
+    replay,
+    routing_quality,
+    tokenizer,
+    wire_format,
+)
 from conformance.registry import REGISTRY, Check
 
 RUN_ORDER = (
@@ -13,6 +23,7 @@ RUN_ORDER = (
     "tokenizer",
     "index-fidelity",
     "replay",
+    "routing-quality",
     "fleet",
     "pd",
 )
@@ -28,3 +39,4 @@ __all__ = ["RUN_ORDER", "chaining", "faults", "fidelity", "fleet", "registry", "
 __all__ += ["tokenizer"]
 __all__ += ["wire_format"]
 __all__ += ["pd"]
+__all__ += ["routing_quality"]

@@ -48,17 +48,21 @@ async def drive(
     urls: list[str],
     timeout: float = 120.0,
     route: Callable[[Request], str] | None = None,
+    model: str = MODEL,
 ) -> DriveResult:
     """Run every wave to completion, one after the other. Requests alternate over `urls`,
-    unless `route` names the URL of each (the oracle placement, straight to the workers)."""
+    unless `route` names the URL of each (the oracle placement, straight to the workers).
+    `model` is the served model name (the simulated fleet's by default)."""
     result = DriveResult()
     cycle = itertools.cycle(urls)
     pick = route or (lambda _: next(cycle))
     limits = httpx.Limits(max_connections=w.concurrency * 2 + 4)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    # trust_env=False: loopback traffic must never go through a configured HTTP proxy
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
         for wave in w.waves:
             slots = asyncio.Semaphore(w.concurrency)
-            await asyncio.gather(*(_chain(client, pick, c, slots, result) for c in wave))
+            chains = (_chain(client, pick, c, slots, result, model) for c in wave)
+            await asyncio.gather(*chains)
     return result
 
 
@@ -68,20 +72,21 @@ async def _chain(
     chain: Chain,
     slots: asyncio.Semaphore,
     result: DriveResult,
+    model: str,
 ) -> None:
     async with slots:
         for r in chain:
             try:
-                result.samples.append(await one(client, pick(r), r))
+                result.samples.append(await one(client, pick(r), r, model))
             except (httpx.HTTPError, RuntimeError, ValueError) as exc:
                 result.errors += 1
                 if len(result.error_texts) < 5:
                     result.error_texts.append(f"{type(exc).__name__}: {exc}"[:300])
 
 
-async def one(client: httpx.AsyncClient, url: str, r: Request) -> Sample:
+async def one(client: httpx.AsyncClient, url: str, r: Request, model: str = MODEL) -> Sample:
     body = {
-        "model": MODEL,
+        "model": model,
         "prompt": r.prompt,
         "max_tokens": r.max_tokens,
         "stream": True,
@@ -121,7 +126,7 @@ _METRIC = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
 def engine_counters(worker_url: str) -> dict[str, float]:
     """Totals from one engine's /metrics: requests finished, prefix-cache queries and hits
     (tokens). Summed over label sets."""
-    text = httpx.get(f"{worker_url}/metrics", timeout=10).text
+    text = httpx.get(f"{worker_url}/metrics", timeout=10, trust_env=False).text
     out: dict[str, float] = {}
     for name, value in _METRIC.findall(text):
         if name in WANTED:

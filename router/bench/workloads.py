@@ -178,17 +178,41 @@ def long_short_mix(t: Texts, run_seed: int, scale: float = 1.0) -> Workload:
     return w
 
 
+@dataclass(frozen=True)
+class Repetition:
+    """The shape of a prefix-repetition workload: `prefixes` shared prefixes, each sent
+    `per_prefix` times with a distinct suffix, in shuffled order, `concurrency` in flight."""
+
+    prefixes: int
+    per_prefix: int
+    prefix_len: int
+    suffix_len: int
+    concurrency: int
+    workers: int
+    kv_blocks: int
+    block_size: int = BLOCK_SIZE
+    output_len: int = 16
+
+
+def prefix_repetition(t: Texts, run_seed: int, shape: Repetition, name: str) -> Workload:
+    """vLLM's `prefix_repetition` dataset, with the bench's distinct English-like texts."""
+    s = shape
+    docs = [t.make(s.prefix_len, f"Prefix {i}: ") for i in range(s.prefixes)]
+    chains = [
+        [Request(f"{docs[p]}\n{t.make(s.suffix_len, f'Suffix {p}.{k}: ')}", f"p{p}", s.output_len)]
+        for p in range(s.prefixes)
+        for k in range(s.per_prefix)
+    ]
+    waves = [_shuffled(chains, run_seed)]
+    return Workload(name, s.workers, s.kv_blocks, s.concurrency, waves, s.block_size)
+
+
 def vllm_prefix_repetition(t: Texts, run_seed: int, scale: float = 1.0) -> Workload:
     prefixes, per_prefix = _n(32, scale, 2), _n(10, scale, 2)
     prefix_len, suffix_len = _n(2000, scale, 32), _n(100, scale)
-    docs = [t.make(prefix_len, f"Prefix {i}: ") for i in range(prefixes)]
-    chains = [
-        [Request(f"{docs[p]}\n{t.make(suffix_len, f'Suffix {p}.{k}: ')}", f"p{p}", 16)]
-        for p in range(prefixes)
-        for k in range(per_prefix)
-    ]
     kv = 1000 if scale >= 1 else _n(1000, scale, 8)
-    w = Workload("vllm-prefix-repetition", 4, kv, 16, [_shuffled(chains, run_seed)])
+    shape = Repetition(prefixes, per_prefix, prefix_len, suffix_len, 16, 4, kv)
+    w = prefix_repetition(t, run_seed, shape, "vllm-prefix-repetition")
     w.vllm_dataset = (
         "--dataset-name", "prefix_repetition",
         "--prefix-repetition-prefix-len", str(prefix_len),
@@ -210,9 +234,13 @@ GENERATORS: dict[str, Callable[[Texts, int, float], Workload]] = {
 }
 
 
+def texts_for(name: str) -> Texts:
+    """The text source of workload `name`: the same texts for every run seed."""
+    return Texts(LocalTokenizer(PACKAGED_TOKENIZER), random.Random(f"{name}/texts"))
+
+
 def build(name: str, run_seed: int, scale: float = 1.0) -> Workload:
     """The named workload; the same texts for every run seed, only their order differs."""
-    texts = Texts(LocalTokenizer(PACKAGED_TOKENIZER), random.Random(f"{name}/texts"))
-    w = GENERATORS[name](texts, run_seed, scale)
+    w = GENERATORS[name](texts_for(name), run_seed, scale)
     w.seed = run_seed
     return w
