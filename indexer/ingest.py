@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from indexer.clock import Clock
+from indexer.demand import DecayingCount
 from indexer.events import BlockStored, EventBatch
 from indexer.health import HealthTracker
 from indexer.index import ApplyResult, PrefixIndex
@@ -128,8 +129,10 @@ class WorkerIngest:
         health: HealthTracker | None = None,
         has_replay: bool = True,
         block_size: int | None = None,
+        demand: DecayingCount | None = None,
     ) -> None:
         self.worker = worker
+        self.demand = demand  # blocks this worker stored lately (the placement scorer)
         self.index = index
         self._decode = decode
         self.health = health or HealthTracker(worker, clock)
@@ -316,6 +319,8 @@ class WorkerIngest:
         c = self.counters
         c.skipped_events += batch.skipped
         c.blocks_stored += res.stored
+        if self.demand is not None and res.stored:
+            self.demand.add(res.stored)
         c.blocks_removed += res.removed
         c.unknown_parent += res.unknown_parent
         c.unknown_removed += res.unknown_removed

@@ -301,6 +301,7 @@ class WorkerPool:
             health=state.health,
             has_replay=src.replay_endpoint is not None,
             block_size=h.config.block_size or self.config.block_size,
+            demand=state.demand,
         )
         feed.subscriber = EventSubscriber(
             feed.ingest,

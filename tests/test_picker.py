@@ -64,7 +64,11 @@ def core(
 def store(c: Core, worker: str, tokens: list[int]) -> None:
     n = len(tokens) // BS
     ehs = [EngineBlockHash(hash((worker, tuple(tokens[: (i + 1) * BS])))) for i in range(n)]
-    c.index.apply(worker, EventBatch(0.0, [BlockStored(ehs, None, tokens[: n * BS], BS)]))
+    batch = EventBatch(0.0, [BlockStored(ehs, None, tokens[: n * BS], BS)])
+    res = c.index.apply(worker, batch)
+    demand = c.workers[worker].demand
+    assert demand is not None
+    demand.add(res.stored)  # as the worker's ingest does
 
 
 def test_sticks_to_the_worker_holding_the_prefix() -> None:
@@ -85,26 +89,45 @@ def test_new_prefix_goes_where_the_cache_has_room() -> None:
 
 
 def test_new_prefixes_are_homed_by_recent_demand_not_by_the_load_of_the_moment() -> None:
-    """w0 is home to three prefixes (routed, finished), w1 to one that is still running: a
-    new prefix goes to w1, the cache with less demand, though w1 is the busier now; a repeat
+    """w0's cache stored three prefixes lately, w1's one, and w1 is running a request: a new
+    prefix goes to w1, the cache with less demand, though w1 is the busier now; a repeat
     still follows its prefix."""
     c = core()
     for s in range(3):
-        c.load.finish(c.commit(c.route(prompt(20 + s), NS), "w0"))
-    c.commit(c.route(prompt(30), NS), "w1")  # in flight
+        store(c, "w0", prompt(20 + s))
+    store(c, "w1", prompt(30))
+    c.commit(c.route(prompt(31), NS), "w1")  # in flight, not cached
     d = c.route(prompt(99), NS)
     assert d.best.worker == "w1", d.best
-    assert d.best.raw["placement"] == 1 - 8 / 24 and d.score_of("w0").raw["placement"] == 0.0
+    assert d.best.raw["placement"] == 1.0 and d.score_of("w0").raw["placement"] == 0.0
     assert d.score_of("w0").raw["load"] > d.best.raw["load"]
     again = c.route(prompt(21), NS)
     assert again.best.worker == "w0" and again.best.raw["placement"] == 1.0
 
 
+def test_replicas_agree_on_where_a_new_prefix_goes() -> None:
+    """Two routers see the same events but each only its own load: a new prompt is placed on
+    the same worker by both (no prefix prefilled twice), and new prompts still spread. (Each
+    router's own placements of the last few seconds count on its side until their events
+    arrive: that keeps one router from piling a burst of new prefixes on one worker.)"""
+    a, b = core(n=4), core(n=4)
+    for c in (a, b):
+        for s in range(3):
+            store(c, "w0", prompt(50 + s))
+    for _ in range(3):
+        b.commit(b.route(prompt(50), NS), "w0")  # b's own in-flight requests only
+    assert a.load.view("w0").requests == 0 and b.load.view("w0").requests == 3
+    places = [a.route(prompt(100 + i), NS).best.worker for i in range(40)]
+    assert places == [b.route(prompt(100 + i), NS).best.worker for i in range(40)]
+    assert "w0" not in places and {"w1", "w2", "w3"} <= set(places)
+
+
 def test_placement_can_be_turned_off() -> None:
     c = core(weights={"prefix": 1.0, "load": 0.5, "headroom": 0.1})
     for s in range(3):
-        c.load.finish(c.commit(c.route(prompt(20 + s), NS), "w0"))
-    c.commit(c.route(prompt(30), NS), "w1")
+        store(c, "w0", prompt(20 + s))
+    store(c, "w1", prompt(30))
+    c.commit(c.route(prompt(31), NS), "w1")
     assert c.route(prompt(99), NS).best.worker == "w0"  # the least loaded of the moment
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -56,6 +57,10 @@ class LoadScorer:
 class PlacementParams:
     # a prompt whose best prefix credit on any worker is below this fraction is new
     new_below: float = 0.1
+    # demands within this fraction of the most demanded worker's count as equal
+    bucket: float = 0.03
+    # the most any other worker scores for a new prompt (the winner scores 1)
+    others: float = 0.3
 
 
 class PlacementScorer:
@@ -64,22 +69,52 @@ class PlacementScorer:
     arrived is effectively random, and a worker that ends up home to more prefixes than its
     cache holds evicts them in turn (measured: groups homed 7/8/8/9 over four workers gave a
     0.654 cached fraction where 8/8/8/8 gave 0.727). So for a new prompt this scores the
-    workers by the distinct blocks routed to them recently (their demand on the cache): 0 for
-    the most demanded, 1 for one with none. For a prompt some worker already holds it is
-    neutral (1 for all) and the prefix credit decides."""
+    workers by their recent demand: the blocks their caches stored lately (KV events, decayed
+    with a 60 s half-life; the same figure on every router replica) plus this router's own
+    predictions of the last few seconds (so one router does not pile a burst of new prefixes
+    on one worker before their events arrive).
+
+    Router replicas must agree on where a new prefix goes, or two requests sharing it that
+    reach two replicas before its blocks show in the events are prefilled on two workers
+    (measured with two replicas: 7-11 of 32 groups split). So the winner is chosen only from
+    what every replica sees alike: among the workers in the least demanded bucket, the
+    rendezvous hash of the prompt's opening blocks picks one; it scores 1, the others at most
+    0.3 (by demand), which with the default weights no load or headroom term overturns. For a
+    prompt some worker already holds it is neutral (1 for all) and the prefix credit
+    decides."""
 
     name = "placement"
 
     def __init__(self, params: PlacementParams) -> None:
         self.new_below = params.new_below
+        self.bucket = params.bucket
+        self.others = params.others
 
     def score(self, request: ScoreRequest, cands: Sequence[Candidate]) -> dict[str, float]:
         total = max(request.prompt_tokens, 1)
         best = max((c.overlap_blocks * c.block_size / total for c in cands), default=0.0)
-        most = max((c.routed_blocks for c in cands), default=0)
-        if best >= self.new_below or most <= 0:
+        if best >= self.new_below or not cands:
             return {c.name: 1.0 for c in cands}
-        return {c.name: 1.0 - c.routed_blocks / most for c in cands}
+        most = max(c.recent_blocks for c in cands)
+        step = self.bucket * most
+
+        def level(c: Candidate) -> int:
+            return int(c.recent_blocks // step) if step > 0 else 0
+
+        low = min(level(c) for c in cands)
+        tied = [c for c in cands if level(c) == low]
+        winner = max(tied, key=lambda c: rendezvous(request.key, c.name))
+        ceiling = self.others
+        out = {c.name: ceiling * (1.0 - c.recent_blocks / most if most > 0 else 1.0) for c in cands}
+        out[winner.name] = 1.0
+        return out
+
+
+def rendezvous(key: int, worker: str) -> int:
+    """Highest-random-weight hashing: the same on every replica (Python's own str hash is
+    salted per process)."""
+    digest = hashlib.blake2b(f"{key}:{worker}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 class HeadroomScorer:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from indexer.clock import Clock
+from indexer.demand import DecayingCount
 from indexer.health import HealthTracker
 from indexer.index import PrefixIndex
 from indexer.ttl import TtlIndex
@@ -40,6 +41,7 @@ class WorkerState:
     adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapter -> its base model
     role: str = "both"  # prefill | decode | both
     max_model_len: int | None = None  # the base model's context length (its /v1/models card)
+    demand: DecayingCount | None = None  # blocks stored lately, from its KV events
 
     def __post_init__(self) -> None:
         self.worker = self.worker or self.name
@@ -57,15 +59,18 @@ class FleetState:
         approx_ttl_s: float = 120.0,
         max_index_entries: int = 4_000_000,
     ) -> None:
+        self.clock = clock
         self.index = PrefixIndex(max_entries=max_index_entries)
         self.predictions = TtlIndex(clock, prediction_ttl_s)
-        # what was routed to each endpoint within approx_ttl_s: the cache guess of approx-mode
-        # endpoints, and every endpoint's recent demand on its cache (the placement scorer)
+        # what was routed to each approx-mode endpoint within approx_ttl_s: its cache guess,
+        # and its recent demand on its cache (the placement scorer)
         self.approx = TtlIndex(clock, approx_ttl_s)
         self.load = LoadTracker()
         self.workers: dict[str, WorkerState] = {}
 
     def add(self, state: WorkerState, model: str = "") -> None:
+        if state.demand is None:
+            state.demand = DecayingCount(self.clock)
         self.workers[state.name] = state
         self.index.add_worker(state.name, model=model)
 
@@ -80,6 +85,9 @@ class FleetState:
         self.index.clear_worker(name)
         self.predictions.forget_worker(name)
         self.approx.forget_worker(name)
+        w = self.workers.get(name)
+        if w is not None and w.demand is not None:
+            w.demand.clear()
 
     def served_models(self) -> list[str]:
         """Every model and adapter name some endpoint serves, sorted."""

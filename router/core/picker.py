@@ -22,6 +22,8 @@ from router.core.load import Ticket
 from router.core.profiles import Profile
 from router.core.scoring import Candidate, ScoreRequest, clamp
 
+KEY_BLOCKS = 8  # the blocks of a prompt that name its placement key (siblings share them)
+
 Lookups = tuple[dict[str, Overlap], dict[str, Overlap], dict[str, Overlap]]
 
 
@@ -41,7 +43,9 @@ class Picker:
         lookups = {bs: self._lookups(h, pool) for bs, h in hashes.items()}
         cands = [self._candidate(w, lookups[w.block_size]) for w in pool]
         f = apply_filters(profile.filters, req, cands, self.fleet)
-        raw, timings = self._run_scorers(profile, ScoreRequest(req.prompt_tokens), f.eligible)
+        opening = next(iter(hashes.values()), [])
+        key = int(opening[min(len(opening), KEY_BLOCKS) - 1]) if opening else 0
+        raw, timings = self._run_scorers(profile, ScoreRequest(req.prompt_tokens, key), f.eligible)
         weights = profile.weights
         scores = [self._score(c, raw, weights, relaxed=f.relaxed.get(c.name)) for c in f.eligible]
         ranked = profile.policy.order(scores, profile.state)
@@ -60,14 +64,14 @@ class Picker:
         s = decision.score_of(worker)
         hashes = decision.hashes.get(state.block_size, [])
         expects = False
-        # every endpoint's recent demand (the placement scorer); approx mode's cache guess
-        self.fleet.approx.record(worker, hashes)
         if state.mode == EVENTS:
             self.fleet.predictions.record(worker, hashes)
             if state.health is not None:
                 known = self.fleet.index.find_matches(hashes).get(worker)
                 expects = len(hashes) > (known.blocks if known else 0)
                 state.health.note_request(expects)
+        else:
+            self.fleet.approx.record(worker, hashes)
         profile.state.turns += 1
         uncached = max(0, decision.prompt_tokens - s.overlap_blocks * state.block_size)
         blocks = math.ceil(decision.prompt_tokens / state.block_size) + extra_blocks
@@ -111,7 +115,7 @@ class Picker:
             capacity_blocks=w.capacity_blocks,
             caching=w.caching,
             mode=w.mode,
-            routed_blocks=self.fleet.approx.entries_of(w.name),
+            recent_blocks=_recent_blocks(w, self.fleet),
         )
 
     def _run_scorers(
@@ -166,6 +170,15 @@ def _hashes(tokens: Sequence[int], bs: int, ns: Namespace) -> list[RouterBlockHa
     if found is None:
         found = memo[key] = hash_request(tokens, bs, ns)
     return found
+
+
+def _recent_blocks(w: WorkerState, fleet: FleetState) -> float:
+    """Demand on the endpoint's cache lately: blocks its KV events stored (decayed; the same
+    on every router replica) plus this router's predictions not older than prediction_ttl_s,
+    or for approx mode the blocks routed there within the TTL."""
+    if w.mode == EVENTS and w.demand is not None:
+        return w.demand.value() + fleet.predictions.entries_of(w.name)
+    return fleet.approx.entries_of(w.name)
 
 
 def _better(a: Overlap | None, b: Overlap | None) -> Overlap | None:

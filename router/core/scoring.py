@@ -30,7 +30,7 @@ class Candidate:
     capacity_blocks: int | None  # the worker's KV cache size in blocks, if known
     caching: bool = True  # false when the engine runs with prefix caching off
     mode: str = "events"  # where the overlap came from: events (exact) or approx
-    routed_blocks: int = 0  # distinct blocks routed here within approx_ttl_s (recent demand)
+    recent_blocks: float = 0.0  # demand on its cache lately: blocks stored (events), decayed
 
     @property
     def overlap_blocks(self) -> int:
@@ -40,6 +40,9 @@ class Candidate:
 @dataclass(frozen=True)
 class ScoreRequest:
     prompt_tokens: int
+    # a hash of the prompt's opening blocks (up to 8), the same for prompts that share them
+    # and on every router replica: placement's tie-break
+    key: int = 0
 
 
 @dataclass(frozen=True)

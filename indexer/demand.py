@@ -1,0 +1,40 @@
+"""Recent demand on a worker's cache as the KV events show it: blocks stored, decayed.
+
+Every router replica consumes the same events, so every replica computes the same figure
+(routing decisions, by contrast, are each replica's own: a demand counted from them differs
+between replicas, and two replicas then home one new prefix on two workers)."""
+
+from __future__ import annotations
+
+import math
+
+from indexer.clock import Clock
+
+
+class DecayingCount:
+    """A sum whose every term halves each `half_life_s` (time from the injected clock)."""
+
+    def __init__(self, clock: Clock, half_life_s: float = 60.0) -> None:
+        if half_life_s <= 0:
+            raise ValueError("half_life_s must be positive")
+        self._clock = clock
+        self._rate = math.log(2) / half_life_s
+        self._value = 0.0
+        self._at = clock.now()
+
+    def _decay(self) -> None:
+        now = self._clock.now()
+        if now > self._at:
+            self._value *= math.exp(-self._rate * (now - self._at))
+            self._at = now
+
+    def add(self, n: float) -> None:
+        self._decay()
+        self._value += n
+
+    def value(self) -> float:
+        self._decay()
+        return self._value
+
+    def clear(self) -> None:
+        self._value = 0.0
