@@ -18,6 +18,7 @@ PURE = [
     "indexer/sequencing.py",
     "indexer/health.py",
     "indexer/ttl.py",
+    "indexer/demand.py",
 ]
 PURE_PACKAGES = ["router/core"]
 

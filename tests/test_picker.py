@@ -122,6 +122,20 @@ def test_replicas_agree_on_where_a_new_prefix_goes() -> None:
     assert "w0" not in places and {"w1", "w2", "w3"} <= set(places)
 
 
+def test_a_burst_of_new_prompts_spreads_though_one_cache_is_less_demanded() -> None:
+    """w1's cache is far less demanded, but new prompts sent at once must not all queue on
+    it: once it runs `slack` (2) more requests than w0, w0 takes the next one."""
+    c = core()
+    for s in range(4):
+        store(c, "w0", prompt(20 + s))
+    placed = []
+    for i in range(6):
+        d = c.route(prompt(100 + i), NS)
+        placed.append(d.best.worker)
+        c.commit(d, d.best.worker)  # in flight, never finished
+    assert placed[:4] == ["w1", "w1", "w1", "w0"]
+
+
 def test_placement_can_be_turned_off() -> None:
     c = core(weights={"prefix": 1.0, "load": 0.5, "headroom": 0.1})
     for s in range(3):

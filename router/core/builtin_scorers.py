@@ -61,6 +61,9 @@ class PlacementParams:
     bucket: float = 0.03
     # the most any other worker scores for a new prompt (the winner scores 1)
     others: float = 0.3
+    # only workers running at most this many requests more than the least loaded may be
+    # the winner: a burst of new prompts must not all queue on the least demanded cache
+    slack: int = 2
 
 
 class PlacementScorer:
@@ -79,7 +82,9 @@ class PlacementScorer:
     (measured with two replicas: 7-11 of 32 groups split). So the winner is chosen only from
     what every replica sees alike: among the workers in the least demanded bucket, the
     rendezvous hash of the prompt's opening blocks picks one; it scores 1, the others at most
-    0.3 (by demand), which with the default weights no load or headroom term overturns. For a
+    0.3 (by demand), which with the default weights no load or headroom term overturns. Only
+    workers running at most `slack` requests more than the least loaded one take part, so a
+    burst of new prompts spreads instead of queueing on the least demanded cache. For a
     prompt some worker already holds it is neutral (1 for all) and the prefix credit
     decides."""
 
@@ -89,6 +94,7 @@ class PlacementScorer:
         self.new_below = params.new_below
         self.bucket = params.bucket
         self.others = params.others
+        self.slack = params.slack
 
     def score(self, request: ScoreRequest, cands: Sequence[Candidate]) -> dict[str, float]:
         total = max(request.prompt_tokens, 1)
@@ -101,8 +107,10 @@ class PlacementScorer:
         def level(c: Candidate) -> int:
             return int(c.recent_blocks // step) if step > 0 else 0
 
-        low = min(level(c) for c in cands)
-        tied = [c for c in cands if level(c) == low]
+        least = min(c.load.requests for c in cands)
+        free = [c for c in cands if c.load.requests <= least + self.slack]
+        low = min(level(c) for c in free)
+        tied = [c for c in free if level(c) == low]
         winner = max(tied, key=lambda c: rendezvous(request.key, c.name))
         ceiling = self.others
         out = {c.name: ceiling * (1.0 - c.recent_blocks / most if most > 0 else 1.0) for c in cands}
