@@ -54,6 +54,7 @@ class Leg:
     ttft_s: float | None = None
     latency_s: float = 0.0
     error: str | None = None
+    pd_header: str = ""  # kvroute's x-kvroute-pd answer header, when sent through the router
 
     def same_output(self, other: Leg) -> bool:
         """Greedy outputs agree: by token ids where the engine returns them (a random tiny
@@ -112,6 +113,7 @@ def decode_leg(
         "POST", url + "/v1/completions", json=body, headers={"X-Request-Id": rid}
     ) as r:
         leg.status = r.status_code
+        leg.pd_header = r.headers.get("x-kvroute-pd", "")
         for line in r.iter_lines():
             _take_sse(leg, line, start)
     leg.latency_s = time.perf_counter() - start

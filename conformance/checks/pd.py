@@ -16,16 +16,14 @@ simulated workers moving real bytes with NIXL) as a prefill and a decode worker:
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
 from conformance.pd_engines import PDPair, pd_pair
-from conformance.pd_harness import prompt_for, reset_cache, snapshot
+from conformance.pd_harness import Leg, decode_leg, prompt_for, reset_cache, snapshot
 from conformance.registry import Findings, check
 from conformance.session import Context
 from conformance.targets import ENGINE
@@ -36,42 +34,11 @@ from router.procs import RouterProcess
 
 THRESHOLD = 512
 SHORT, LONG = 100, (1024, 3000)
-MAX_TOKENS = 16
 
 
-@dataclass
-class Answer:
-    status: int
-    header: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-
-    def same_output(self, other: Answer) -> bool:
-        if self.token_ids or other.token_ids:
-            return self.token_ids == other.token_ids
-        return bool(self.text) and self.text == other.text
-
-
-def ask(client: httpx.Client, url: str, model: str, prompt: str) -> Answer:
+def ask(client: httpx.Client, url: str, model: str, prompt: str) -> Leg:
     """A greedy streamed completion; through the router, or to an engine directly."""
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "return_token_ids": True,
-    }
-    headers = {"x-request-id": f"pd-check-{uuid.uuid4().hex[:8]}"}
-    with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
-        out = Answer(r.status_code, r.headers.get("x-kvroute-pd", ""))
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                for choice in json.loads(line[6:]).get("choices", []):
-                    out.text += choice.get("text") or ""
-                    out.token_ids += choice.get("token_ids") or []
-    return out
+    return decode_leg(client, url, model, prompt, None, f"pd-check-{uuid.uuid4().hex[:8]}")
 
 
 def count(client: httpx.Client, pair: PDPair, prompt: str) -> int:
@@ -111,10 +78,11 @@ def wait_health(
 def split_and_local(client: httpx.Client, pair: PDPair, ctx: Context, f: Findings) -> None:
     with router(pair, ctx, "--pd-threshold", str(THRESHOLD), "--no-pd-probe") as r:
         warm = ask(client, r.url, pair.model, prompt_for(client, pair, 600, "warm"))  # handshake
-        f.require(warm.status == 200 and warm.header.startswith("split"), f"first split: {warm}")
+        f.require(warm.status == 200 and warm.pd_header.startswith("split"), f"first split: {warm}")
         short = ask(client, r.url, pair.model, prompt_for(client, pair, SHORT, "short"))
-        f.note("short_prompt", short.header)
-        f.require(short.header == "local reason=below_threshold", f"short prompt: {short.header!r}")
+        f.note("short_prompt", short.pd_header)
+        local = short.pd_header
+        f.require(local == "local reason=below_threshold", f"short prompt: {local!r}")
         f.note("splits", [one_split(client, pair, r, n, f) for n in LONG])
         doc = wait_health(r, "verified_handoffs", 1 + len(LONG))
         f.note(
@@ -145,7 +113,8 @@ def one_split(
     time.sleep(pair.gap_s)
     whole = ask(client, pair.decode.url, pair.model, prompt)  # unsplit, on the decode engine
     proved = moved.bytes_transferred > 0 and moved.external_kv_transfer >= 0.9 * n
-    f.require(split.header.startswith("split"), f"{n} tokens were not split: {split.header!r}")
+    decided = split.pd_header
+    f.require(decided.startswith("split"), f"{n} tokens were not split: {decided!r}")
     f.require(
         split.same_output(whole),
         f"{n} tokens: split output {split.token_ids or split.text!r} != unsplit "
@@ -159,7 +128,7 @@ def one_split(
     link = moved.link_bytes_per_s
     return {
         "prompt_tokens": n,
-        "decision": split.header,
+        "decision": split.pd_header,
         "text_equal": split.same_output(whole),
         "bytes_moved": moved.bytes_transferred,
         "xfer_ms": round(moved.xfer_seconds * 1000, 2),
