@@ -166,7 +166,7 @@ class ProxyDoor:
                 return choice
         try:
             r.decision = await self.svc.decide(
-                r.rin, constraints=Constraints(exclude=frozenset(tried))
+                r.rin, profile=r.decision.profile, constraints=Constraints(exclude=frozenset(tried))
             )
         except Overloaded:
             raise  # shedding is on and every worker left is busy: the client may retry later

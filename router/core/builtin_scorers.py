@@ -112,8 +112,7 @@ class PlacementScorer:
         low = min(level(c) for c in free)
         tied = [c for c in free if level(c) == low]
         winner = max(tied, key=lambda c: rendezvous(request.key, c.name))
-        ceiling = self.others
-        out = {c.name: ceiling * (1.0 - c.recent_blocks / most if most > 0 else 1.0) for c in cands}
+        out = {c.name: self.others * (1 - c.recent_blocks / most if most else 1) for c in cands}
         out[winner.name] = 1.0
         return out
 
