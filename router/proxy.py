@@ -13,9 +13,10 @@ is ejected until its health check passes."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import os
 import time
-import uuid
 from typing import TYPE_CHECKING, Any
 
 from router.access import AccessLog
@@ -37,6 +38,17 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvroute.proxy")
 
 RANK_HEADER = b"x-data-parallel-rank"  # vLLM routes a request to this data-parallel rank
+
+# Request ids unique across processes and restarts (engines match a P/D handoff's legs by
+# them): 64 random bits per process, then a counter. uuid4 per request read /dev/urandom
+# and built a UUID object: ~4% of the event loop's time at a thousand requests a second.
+_ID_PREFIX = os.urandom(8).hex().encode()
+_ID_COUNT = itertools.count(1)
+
+
+def new_request_id() -> bytes:
+    """32 hex characters, like a uuid4's hex."""
+    return b"%s%016x" % (_ID_PREFIX, next(_ID_COUNT))
 
 
 class ProxyDoor:
@@ -78,7 +90,7 @@ class ProxyDoor:
         decision = await self.svc.decide(rin, profile="decode" if pd else "default")
         if self.tracer is not None:
             self.tracer.record(scope["headers"], decision, t0_ns)
-        request_id = header(scope, b"x-request-id") or uuid.uuid4().hex.encode()
+        request_id = header(scope, b"x-request-id") or new_request_id()
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "request %s -> %s (scorers %s us)\n%s",

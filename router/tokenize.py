@@ -10,7 +10,8 @@ Fast on real traffic, and exact:
 - a prompt is cut into pieces at points where tokenization provably splits
   (`router.tokenize_split`), and the pieces of prefixes seen before are reused
   (`PieceStore`), so a new question after a known 2k-token document costs only its tail;
-  tokenizers the proof does not cover are always encoded whole;
+  both caches keep a text from its second sighting on, so distinct prompts cost one plain
+  encode and churn nothing; tokenizers the proof does not cover are always encoded whole;
 - what is left to encode runs in a thread (`encode_batch_fast` releases the GIL; `encode`
   does not), unless it is so small that the hop would cost more than it saves.
 
@@ -36,7 +37,7 @@ from router.core.errors import ConfigError
 from router.tokenize_chat import chat_template, flatten_content, render, token_text
 from router.tokenize_split import Splittable, pieces, splittable
 from router.tokenize_store import PieceStore, TokenCache, Tokens, Walk
-from router.tokenize_threads import in_threads
+from router.tokenize_threads import WAYS, in_threads, shares
 
 __all__ = ["PACKAGED_TOKENIZER", "LocalTokenizer", "TokenCache", "Tokens", "flatten_content"]
 
@@ -55,10 +56,20 @@ INLINE_CHARS = 512  # encode at most this much on the event loop: a thread hop c
 
 @dataclass
 class _Plan:
-    """A text's pieces: the ones already known and the rest to encode (`walk`)."""
+    """A text's pieces: the ones already known (`walk`) and the texts to encode: the pieces
+    seen once before, each alone (they will be kept), then the rest in at most `WAYS` long
+    runs (nothing of them will be kept, and one long text encodes faster than many pieces;
+    several runs let an idle moment spread one prompt over the cores)."""
 
     walk: Walk
+    texts: list[str]
     chars: int
+
+
+def _plan_texts(walk: Walk, runs: int) -> list[str]:
+    left = walk.rest[walk.admit :]
+    joined = ["".join(run) for run in shares(left, runs)] if len(left) > 1 else left
+    return [*walk.rest[: walk.admit], *joined]
 
 
 class LocalTokenizer:
@@ -179,26 +190,26 @@ class LocalTokenizer:
         if hit is not None:
             return hit
         plan = self._plan(text)
-        return self._finish(key, plan, self._encode(plan.walk.rest, specials), specials)
+        return self._finish(key, plan, self._encode(plan.texts, specials), specials)
 
     async def _atokens(self, key: Any, text: str, *, specials: bool) -> Tokens:
         hit = self.cache.get(key)
         if hit is not None:
             return hit
         plan = self._plan(text)
-        rest = plan.walk.rest
         if plan.chars <= self.inline_chars:
-            new = self._encode(rest, specials)
+            new = self._encode(plan.texts, specials)
         else:
-            new = await in_threads(lambda run: self._encode(run, specials), rest)
+            new = await in_threads(lambda run: self._encode(run, specials), plan.texts)
         return self._finish(key, plan, new, specials)
 
     def _plan(self, text: str) -> _Plan:
         if self.split is None:
-            return _Plan(Walk(rest=[text]), len(text))
+            return _Plan(Walk(rest=[text]), [text], len(text))
         fine = self.fine_chars
         walk = self.pieces.walk(pieces(text, self.piece_chars), lambda p: pieces(p, fine))
-        return _Plan(walk, sum(map(len, walk.rest)))
+        chars = sum(map(len, walk.rest))
+        return _Plan(walk, _plan_texts(walk, WAYS if chars > self.inline_chars else 1), chars)
 
     def _encode(self, texts: list[str], specials: bool) -> list[bytes]:
         """Ids of each text as array('I') bytes. Runs in a worker thread for big texts:
@@ -214,7 +225,7 @@ class LocalTokenizer:
         if split is not None:
             if specials:
                 out.extend(split.tail)
-            self.pieces.add(plan.walk, new)
+            self.pieces.add(plan.walk, new[: plan.walk.admit])
         return self.cache.put(key, out)
 
 

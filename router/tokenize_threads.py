@@ -30,7 +30,7 @@ def _executor() -> ThreadPoolExecutor:
     return _pool
 
 
-def _shares(items: Sequence[str], ways: int) -> list[list[str]]:
+def shares(items: Sequence[str], ways: int) -> list[list[str]]:
     """`items` in at most `ways` contiguous runs of about equal length in characters."""
     total = sum(map(len, items))
     runs: list[list[str]] = [[]]
@@ -52,7 +52,7 @@ async def in_threads(
     pool = _executor()
     loop = asyncio.get_running_loop()
     ways = WAYS if spread and _in_flight == 0 and len(items) > 1 else 1
-    runs = _shares(items, ways) if ways > 1 else [items]
+    runs = shares(items, ways) if ways > 1 else [items]
     _in_flight += 1
     try:
         done = await asyncio.gather(*(loop.run_in_executor(pool, fn, run) for run in runs))

@@ -25,7 +25,7 @@ from router.textgen import filler
 from router.tokenize import PACKAGED_TOKENIZER, LocalTokenizer
 from router.tokenize_split import Splittable, cut_points, pieces, splittable
 from router.tokenize_store import PieceStore, TokenCache, Tokens, Walk
-from router.tokenize_threads import _shares, in_threads
+from router.tokenize_threads import in_threads, shares
 
 SPEC: dict[str, Any] = json.loads((PACKAGED_TOKENIZER / "tokenizer.json").read_text())
 
@@ -151,11 +151,27 @@ def test_prompts_sharing_prefixes_match_full_tokenization(
 def test_known_prefix_is_reused_not_re_encoded(raw: Tokenizer) -> None:
     tok = LocalTokenizer(PACKAGED_TOKENIZER, piece_chars=64)
     doc = filler_text(1000)
-    tok.completion(doc + " What is a block?")
-    assert tok.pieces.hits == 0
-    for tail in (" Where does the prefix live?", " And the tail?"):
+    tails = (" What is a block?", " Where does the prefix live?", " And the tail?", " Why?")
+    for n, tail in enumerate(tails):
         assert tok.completion(doc + tail) == _ids(raw, doc + tail, specials=True)
+        if n == 0:  # seen once: nothing kept, nothing reused
+            assert len(tok.pieces) == 0 and tok.pieces.hits == 0
+        if n == 1:  # seen twice: the shared pieces are kept
+            assert len(tok.pieces) >= len(cut_points(doc, 64)) - 1 and tok.pieces.hits == 0
     assert tok.pieces.hits >= 2 * (len(cut_points(doc, 64)) - 1)
+
+
+def test_distinct_prompts_keep_nothing(raw: Tokenizer) -> None:
+    """A flood of prompts that share nothing churns neither cache, and each is encoded as
+    one text: what the walk leaves is joined into at most WAYS runs."""
+    tok = LocalTokenizer(PACKAGED_TOKENIZER, piece_chars=64, inline_chars=0)
+    sizer, rng = LocalTokenizer(PACKAGED_TOKENIZER), random.Random(3)
+    for i in range(40):
+        prompt = f"{i}: " + filler(sizer, 300, rng)
+        plan = tok._plan(prompt)
+        assert plan.walk.admit == 0 and len(plan.texts) <= tokenize_threads.WAYS
+        assert tok.completion(prompt) == _ids(raw, prompt, specials=True)
+    assert len(tok.pieces) == 0 and len(tok.cache) == 0 and tok.pieces.bytes == 0
 
 
 def test_only_the_text_after_the_shared_part_is_encoded() -> None:
@@ -165,8 +181,8 @@ def test_only_the_text_after_the_shared_part_is_encoded() -> None:
     def walk(text: str) -> Walk:
         return tok.pieces.walk(pieces(text, 256), lambda p: pieces(p, 32))
 
-    tok.completion(doc)
-    tok.completion(doc + " first tail")
+    for tail in ("", " first tail", " second tail", " and a third"):
+        tok.completion(doc + tail)
     third = walk(doc + " the third question here")
     assert sum(map(len, third.rest)) <= len(" the third question here") + 2 * 32
     # one step per coarse piece before the split one, even those first stored as fine ones
@@ -201,20 +217,25 @@ def test_concurrent_async_requests_sharing_a_prefix(raw: Tokenizer) -> None:
         return [list(f) for f in found]
 
     assert asyncio.run(run()) == [_ids(raw, p, specials=True) for p in prompts]
-    again = asyncio.run(tok.acompletion(prompts[3]))
-    assert isinstance(again, Tokens) and tok.cache.hits >= 1
+    for _ in range(2):  # kept from the second sighting on, a hit on the third
+        again = asyncio.run(tok.acompletion(prompts[3]))
+    assert (
+        isinstance(again, Tokens)
+        and tok.cache.hits >= 1
+        and list(again) == _ids(raw, prompts[3], specials=True)
+    )
 
 
 def test_repeated_prompt_returns_the_same_tokens_with_their_hash_memo() -> None:
     tok = LocalTokenizer(PACKAGED_TOKENIZER)
 
-    async def twice() -> tuple[Any, Any]:
-        return await tok.acompletion("same prompt again"), await tok.acompletion(
-            "same prompt again"
-        )
+    async def thrice() -> list[Any]:
+        return [await tok.acompletion("same prompt again") for _ in range(3)]
 
-    first, second = asyncio.run(twice())
-    assert first is second and hasattr(first, "hash_memo")
+    first, second, third = asyncio.run(thrice())
+    assert first is not second  # kept from its second sighting on
+    assert second is third and hasattr(second, "hash_memo")
+    assert list(first) == list(second)
 
 
 # ---- bounded, out of the collector's way -------------------------------------------------
@@ -223,6 +244,7 @@ def test_repeated_prompt_returns_the_same_tokens_with_their_hash_memo() -> None:
 def test_store_values_are_not_tracked_by_the_collector() -> None:
     tok = LocalTokenizer(PACKAGED_TOKENIZER, piece_chars=64)
     tok.completion(filler_text(500))
+    tok.completion(filler_text(500) + " again")
     gc.collect()
     nodes = list(tok.pieces._nodes.items())
     assert nodes and not any(gc.is_tracked(k) or gc.is_tracked(v) for k, v in nodes)
@@ -233,7 +255,8 @@ def test_a_huge_prompt_keeps_only_its_share(raw: Tokenizer) -> None:
     tok.pieces = PieceStore(max_bytes=1 << 20, max_prompt_bytes=64 << 10)
     tok.cache = TokenCache(max_items=16, max_tokens=40_000)
     huge = "word " * 100_000  # 500 kB, ~100k tokens
-    assert tok.completion(huge) == _ids(raw, huge, specials=True)
+    for _ in range(2):  # kept from the second sighting on
+        assert tok.completion(huge) == _ids(raw, huge, specials=True)
     assert 0 < tok.pieces.bytes <= 64 << 10
     assert len(tok.cache) == 0  # above max_tokens // 16: not kept whole
 
@@ -241,16 +264,18 @@ def test_a_huge_prompt_keeps_only_its_share(raw: Tokenizer) -> None:
 def test_piece_store_evicts_to_its_budget() -> None:
     store = PieceStore(max_bytes=10_000, max_prompt_bytes=10_000)
     for i in range(200):
-        store.add(Walk(rest=[f"piece {i} " * 4]), [bytes(400)])
+        store.add(Walk(rest=[f"piece {i} " * 4], admit=1), [bytes(400)])
     assert 0 < store.bytes <= 10_000 and len(store) < 200
 
 
 def test_token_cache_is_bounded_in_tokens() -> None:
     cache = TokenCache(max_items=100, max_tokens=960)
     for i in range(20):
-        cache.put(i, list(range(60)))
+        cache.put(f"prompt {i}", list(range(60)))
+        assert cache.get(f"prompt {i}") is None  # kept from the second sighting on
+        cache.put(f"prompt {i}", list(range(60)))
     assert cache.tokens <= 960 and len(cache) == 16
-    assert cache.get(19) is not None and cache.get(0) is None
+    assert cache.get("prompt 19") is not None and cache.get("prompt 0") is None
     cache.put("big", list(range(61)))  # above max_tokens // 16: not kept
     assert cache.get("big") is None
 
@@ -313,7 +338,7 @@ def test_unsupported_tokenizer_encodes_whole_and_stays_exact(tmp_path: Path) -> 
 
 def test_shares_are_contiguous_and_balanced() -> None:
     items = ["a" * n for n in (5, 1, 1, 1, 5, 3, 4)]
-    runs = _shares(items, 2)
+    runs = shares(items, 2)
     assert [x for run in runs for x in run] == items and len(runs) == 2
     assert abs(sum(map(len, runs[0])) - sum(map(len, runs[1]))) <= 5
 

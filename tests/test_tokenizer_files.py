@@ -128,9 +128,11 @@ def test_completion_prompt_matches_real_vllm(
     tokenizer: Tokenizer, prompt: str, expected: list[int]
 ) -> None:
     assert tokenizer.encode(prompt).ids == expected
-    # the router's path: cut at every safe point, pieces reused from a prompt seen before
+    # the router's path: cut at every safe point, pieces reused from prompts seen before
+    # (pieces are kept from their second sighting on)
     local = LocalTokenizer(TOKENIZER_DIR, piece_chars=1)
-    local.completion(prompt + " and a different tail")
+    for tail in (" and a different tail", " and another one"):
+        assert local.completion(prompt + tail) == tokenizer.encode(prompt + tail).ids
     assert local.completion(prompt) == expected
     assert local.pieces.hits >= len(cut_points(prompt, 1))
 
@@ -164,8 +166,10 @@ def test_chat_tokens_match_real_vllm(tokenizer: Tokenizer, config: dict[str, Any
 
 
 def test_router_chat_path_matches_real_vllm() -> None:
-    """Cut at every safe point, the earlier turns' pieces reused from a shorter chat."""
+    """Cut at every safe point, the earlier turns' pieces reused from shorter chats (kept
+    from their second sighting on)."""
     local = LocalTokenizer(TOKENIZER_DIR, piece_chars=1)
+    local.chat(CHAT[:2], add_generation_prompt=False)
     local.chat(CHAT[:3], add_generation_prompt=False)
     assert local.chat(CHAT) == CHAT_IDS
     assert local.pieces.hits > 0

@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from indexer.clock import FakeClock
 from indexer.hashing import Namespace, hash_request
@@ -74,3 +78,73 @@ def test_a_burst_of_the_same_chain_costs_one_record() -> None:
     ttl.record("a", H)
     clock.advance(99)
     assert "a" in ttl.find_matches(H)
+
+
+def test_at_the_bound_the_oldest_records_expire_early() -> None:
+    clock = FakeClock()
+    ttl = TtlIndex(clock, ttl_s=100, max_entries=6)
+    first = hash_request(list(range(100, 132)), 8, Namespace())
+    ttl.record("a", first)  # 4 entries
+    clock.advance(1)
+    ttl.record("a", H)  # 8 entries > 6: the first record goes before its time
+    assert len(ttl) == 4 and ttl.entries_of("a") == 4
+    assert ttl.find_matches(first) == {} and ttl.find_matches(H) == {"a": Overlap(4, {"GPU": 4})}
+    clock.advance(100)
+    assert ttl.find_matches(H) == {} and len(ttl) == 0
+
+
+# ---- against a plain model ---------------------------------------------------------------
+
+CHAINS = [hash_request(list(range(s, s + 32)), 8, Namespace()) for s in (0, 500, 900)]
+STEPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("record"), st.sampled_from("ab"), st.integers(0, 2), st.integers(1, 4)),
+        st.tuples(st.just("advance"), st.sampled_from([0.01, 0.5, 2.0, 4.9, 5.0, 7.0])),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(STEPS, st.integers(4, 40))
+def test_matches_a_dict_of_expiries(steps: list[tuple[Any, ...]], bound: int) -> None:
+    """Per (worker, block) the newest record's expiry, records within 1% of the TTL of the
+    same chain skipped, the oldest records dropped past the bound: what find_matches says
+    is the longest leading run of live blocks per worker."""
+    clock = FakeClock()
+    ttl = TtlIndex(clock, ttl_s=5, max_entries=bound)
+    live: dict[tuple[str, int], float] = {}
+    records: list[tuple[float, str, list[int]]] = []
+    last: dict[tuple[str, int], float] = {}
+    for step in steps:
+        if step[0] == "advance":
+            clock.advance(step[1])
+        else:
+            _, worker, chain, n = step
+            hashes = CHAINS[chain][:n]
+            ttl.record(worker, hashes)
+            until = clock.now() + 5
+            if until - last.get((worker, hashes[-1]), -1e9) >= 5 * 0.01:
+                last[(worker, hashes[-1])] = until
+                live.update({(worker, h): until for h in hashes})
+                records.append((until, worker, hashes))
+                while len(live) > bound and len(records) > 1:
+                    old, w, hs = records.pop(0)
+                    if last.get((w, hs[-1])) == old:
+                        del last[(w, hs[-1])]
+                    for h in hs:
+                        if live.get((w, h)) == old:
+                            del live[(w, h)]
+        now = clock.now()
+        for key in [k for k, v in live.items() if v <= now]:
+            del live[key]
+        for chain in CHAINS:
+            want = {}
+            for worker in "ab":
+                run = 0
+                while run < len(chain) and (worker, chain[run]) in live:
+                    run += 1
+                if run:
+                    want[worker] = Overlap(run, {"GPU": run})
+            assert ttl.find_matches(chain) == want
+        assert len(ttl) == len(live)

@@ -107,3 +107,5 @@ async def tokenizer(ctx: Context, f: Findings) -> None:
             )
     f.note("compared", len(prompts) + len(chats))
     f.note("pieces_reused", local.pieces.hits)
+    if not local.pieces.hits:  # each prompt comes thrice (alone, two tails): reuse must show
+        f.problems.append("no prompt piece was reused: the prefix-reuse path went unchecked")
