@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizer_texts import any_texts, texts, train_tokenizer
+from tokenizers import Tokenizer
 
 from router import tokenize_threads
 from router.textgen import filler
@@ -29,19 +30,6 @@ from router.tokenize_threads import in_threads, shares
 
 SPEC: dict[str, Any] = json.loads((PACKAGED_TOKENIZER / "tokenizer.json").read_text())
 
-# Fragments chosen to stress the GPT-2 regex at a cut: contractions, digit runs, whitespace
-# runs of every kind (Unicode spaces the regex and Python may disagree on), punctuation runs,
-# multi-byte characters, combining marks, and the added tokens' text (whole and broken).
-FRAGMENTS = [
-    *["the", "router", "Cache", "é", "東京", "🚀", "e\u0301", "ß", "x"],
-    *["'s", "'t", "'re", "'ll", "'d", "'", "don't", "12", "3.14", "٣", "²"],
-    *[" ", "  ", "\n", "\n\n", "\t", "\r\n", " \n", "\xa0", "\u3000", "\u2028", "\x85", "\x1c"],
-    *["\u200b", "\ufeff", ".", ",", "!?", "--", "()", "{'a': 1}", "#", "$"],
-    *["<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|im", "_start|>", "<", "s>"],
-]
-texts = st.lists(st.sampled_from(FRAGMENTS), max_size=40).map("".join)
-any_texts = st.text(max_size=120)
-
 
 @pytest.fixture(scope="module")
 def raw() -> Tokenizer:
@@ -50,23 +38,7 @@ def raw() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def trained_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A GPT-2-style byte-level BPE with merges inside whitespace runs ("  ", "\n\n"),
-    contractions and digits: the cases where a wrong cut would change the tokens."""
-    rng = random.Random(0)
-    corpus = ["".join(rng.choice(FRAGMENTS) for _ in range(60)) for _ in range(3000)]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(
-        vocab_size=1200, initial_alphabet=alphabet, special_tokens=specials, show_progress=False
-    )
-    tok.train_from_iterator(corpus, trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
-    folder = tmp_path_factory.mktemp("trained-tokenizer")
-    tok.save(str(folder / "tokenizer.json"))
-    return folder
+    return train_tokenizer(tmp_path_factory.mktemp("trained-tokenizer"))
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,120 @@
+"""Word ids (`router.tokenize_words`) are exact: a text's ids joined from its words, each
+encoded alone, equal the tokenizer's own for random texts (the fragments that stress the
+GPT-2 regex, arbitrary unicode) with the packaged tokenizer and one trained on
+whitespace-heavy text; the cache stays bounded and stops learning from text it cannot
+help."""
+
+from __future__ import annotations
+
+import random
+from array import array
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizer_texts import any_texts, texts, train_tokenizer
+from tokenizers import Tokenizer
+
+from router.textgen import WORDS
+from router.tokenize import PACKAGED_TOKENIZER, LocalTokenizer
+from router.tokenize_split import pieces
+from router.tokenize_words import WordIds, words
+
+
+@pytest.fixture(scope="module")
+def raw() -> Tokenizer:
+    return Tokenizer.from_file(str(PACKAGED_TOKENIZER / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    folder = train_tokenizer(tmp_path_factory.mktemp("trained-tokenizer"))
+    return Tokenizer.from_file(str(folder / "tokenizer.json"))
+
+
+def _encoder(
+    tok: Tokenizer,
+    calls: list[list[str]] | None = None,
+    max_words: int = 1 << 12,
+    learn: int = 1 << 10,
+) -> WordIds:
+    def encode(batch: list[str]) -> list[bytes]:
+        if calls is not None:
+            calls.append(batch)
+        found = tok.encode_batch_fast(batch, add_special_tokens=False)
+        return [array("I", e.ids).tobytes() for e in found]
+
+    return WordIds(encode, max_words=max_words, learn=learn)
+
+
+def _ids(tok: Tokenizer, text: str) -> list[int]:
+    return list(tok.encode(text, add_special_tokens=False).ids)
+
+
+def _as_list(raw_ids: bytes | None) -> list[int] | None:
+    return None if raw_ids is None else array("I", raw_ids).tolist()
+
+
+def test_words_are_the_cuts_at_every_safe_point() -> None:
+    for text in ("ab  c\n d\xa0 e 'f", " lead", "", "x", "a b  c", "tail "):
+        assert words(text) == pieces(text, 1)
+        assert "".join(words(text)) == text
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.one_of(texts, any_texts), min_size=1, max_size=4))
+def test_ids_from_words_equal_the_tokenizers(
+    raw: Tokenizer, trained: Tokenizer, batch: list[str]
+) -> None:
+    """Texts one after another through one cache: later ones meet words learned from
+    earlier ones, in other company."""
+    for tok in (raw, trained):
+        cache = _encoder(tok)
+        for text in batch:
+            assert _as_list(cache.ids(text)) == _ids(tok, text), text
+
+
+def test_known_words_need_no_tokenizer_call(raw: Tokenizer) -> None:
+    calls: list[list[str]] = []
+    cache = _encoder(raw, calls)
+    rng = random.Random(1)
+    first = " ".join(rng.choice(WORDS) for _ in range(300))
+    assert _as_list(cache.ids(first)) == _ids(raw, first)
+    assert len(calls) == 1 and len(calls[0]) <= len(set(words(first)))  # each new word once
+    again = "A " + " ".join(rng.choice(WORDS) for _ in range(300)) + "."
+    n = len(calls)
+    assert _as_list(cache.ids(again)) == _ids(raw, again)
+    assert len(calls) == n + 1 and len(calls[-1]) <= 3  # "A", the last word + ".", at most
+    assert cache.hits == 2 and cache.misses == 0
+
+
+def test_text_mostly_of_new_words_is_left_to_the_caller(raw: Tokenizer) -> None:
+    cache = _encoder(raw, max_words=400, learn=8)
+    novel = " ".join(f"w{i}x" for i in range(50))
+    assert cache.ids(novel) is None and cache.misses == 1
+    assert len(cache) == 8  # young (under a quarter full): it learns a few anyway
+    cache.ids(" ".join(f"v{i}y" for i in range(300)))  # learns 8 more: 16 words
+    for k in range(20):  # past a quarter of max_words it stops learning from such text
+        cache.ids(" ".join(f"z{k}q{i}" for i in range(60)))
+    assert 100 <= len(cache) <= 108
+    size = len(cache)
+    assert cache.ids(" ".join(f"n{i}m" for i in range(60))) is None and len(cache) == size
+
+
+def test_bounded_it_starts_over(raw: Tokenizer) -> None:
+    cache = _encoder(raw, max_words=64, learn=32)
+    for k in range(40):
+        text = " ".join(f"q{k}r{i}" for i in range(20))
+        assert _as_list(cache.ids(text)) == _ids(raw, text)
+        assert len(cache) <= 64
+
+
+def test_tokenizer_answers_distinct_prompts_from_words(raw: Tokenizer) -> None:
+    """Through LocalTokenizer: prompts that share nothing but their vocabulary are joined
+    from known words (no tokenizer call once the words are known), and stay exact."""
+    tok = LocalTokenizer(PACKAGED_TOKENIZER)
+    rng = random.Random(5)
+    for i in range(30):
+        prompt = f"{i}: " + " ".join(rng.choice(WORDS) for _ in range(400))
+        assert tok.completion(prompt) == list(raw.encode(prompt).ids)
+    assert tok.words.hits >= 29 and len(tok.pieces) == 0
