@@ -32,9 +32,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     px.add_argument(
         "--prompts",
         nargs="+",
-        choices=("repeated", "shared-prefix", "distinct"),
-        help="prompt mixes (default: all three): one repeated prompt; a shared ~2k-token "
-        "prefix + distinct ~30-token tail; distinct ~2k-token prompts",
+        choices=("repeated", "shared-prefix", "distinct", "novel-words"),
+        help="prompt mixes (default: all four): one repeated prompt; a shared ~2k-token "
+        "prefix + distinct ~30-token tail; distinct ~2k-token prompts of a small vocabulary; "
+        "distinct prompts of words nobody saw before (random syllables)",
     )
     px.add_argument(
         "--long",

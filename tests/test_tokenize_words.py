@@ -66,11 +66,14 @@ def test_words_are_the_cuts_at_every_safe_point() -> None:
 def test_ids_from_words_equal_the_tokenizers(
     raw: Tokenizer, trained: Tokenizer, batch: list[str]
 ) -> None:
-    """Texts one after another through one cache: later ones meet words learned from
-    earlier ones, in other company."""
+    """Texts one after another through one cache, each twice: the first time the cache
+    may leave it to the caller (and learns its words), the second it answers; later texts
+    meet words learned from earlier ones, in other company."""
     for tok in (raw, trained):
         cache = _encoder(tok)
         for text in batch:
+            first = cache.ids(text)
+            assert first is None or _as_list(first) == _ids(tok, text), text
             assert _as_list(cache.ids(text)) == _ids(tok, text), text
 
 
@@ -78,35 +81,45 @@ def test_known_words_need_no_tokenizer_call(raw: Tokenizer) -> None:
     calls: list[list[str]] = []
     cache = _encoder(raw, calls)
     rng = random.Random(1)
-    first = " ".join(rng.choice(WORDS) for _ in range(300))
-    assert _as_list(cache.ids(first)) == _ids(raw, first)
-    assert len(calls) == 1 and len(calls[0]) <= len(set(words(first)))  # each new word once
-    again = "A " + " ".join(rng.choice(WORDS) for _ in range(300)) + "."
+    texts = ["Q: " + " ".join(rng.choice(WORDS) for _ in range(300)) for _ in range(3)]
+    assert cache.ids(texts[0]) is None  # all new: left to the caller, its opening learned
+    assert _as_list(cache.ids(texts[1])) == _ids(raw, texts[1])  # the rest learned
     n = len(calls)
-    assert _as_list(cache.ids(again)) == _ids(raw, again)
-    assert len(calls) == n + 1 and len(calls[-1]) <= 3  # "A", the last word + ".", at most
-    assert cache.hits == 2 and cache.misses == 0
+    assert _as_list(cache.ids(texts[2])) == _ids(raw, texts[2])
+    assert len(calls) == n  # every word known: no tokenizer call
+    assert cache.hits == 2 and cache.misses == 1
 
 
 def test_text_mostly_of_new_words_is_left_to_the_caller(raw: Tokenizer) -> None:
-    cache = _encoder(raw, max_words=400, learn=8)
+    calls: list[list[str]] = []
+    cache = _encoder(raw, calls, max_words=400, learn=8)
     novel = " ".join(f"w{i}x" for i in range(50))
     assert cache.ids(novel) is None and cache.misses == 1
-    assert len(cache) == 8  # young (under a quarter full): it learns a few anyway
-    cache.ids(" ".join(f"v{i}y" for i in range(300)))  # learns 8 more: 16 words
-    for k in range(20):  # past a quarter of max_words it stops learning from such text
-        cache.ids(" ".join(f"z{k}q{i}" for i in range(60)))
-    assert 100 <= len(cache) <= 108
-    size = len(cache)
-    assert cache.ids(" ".join(f"n{i}m" for i in range(60))) is None and len(cache) == size
+    assert 0 < len(cache) < 50  # its opening words learned, not the rest
+    while len(cache) < cache.max_words // 4:  # young: every such text teaches its opening
+        assert cache.ids(" ".join(f"z{len(cache)}q{i}" for i in range(60))) is None
+    # grown: after a text mostly of new words the next COOLDOWN are not even looked at
+    n, size = len(calls), len(cache)
+    for k in range(cache.COOLDOWN):
+        assert cache.ids(" ".join(f"n{k}m{i}" for i in range(60))) is None
+    assert len(calls) == n and len(cache) == size
+    # then it looks again: a text of known words is answered
+    known = " ".join(f"w{i}x" for i in range(8))
+    assert _as_list(cache.ids(known)) == _ids(raw, known)
+    # and a new vocabulary that keeps coming is learned from the texts it does look at
+    fresh = [" ".join(f"v{i % 9}y" for i in range(k, k + 40)) for k in range(20)]
+    answered = [cache.ids(t) for t in fresh]
+    assert answered[-1] is not None and _as_list(answered[-1]) == _ids(raw, fresh[-1])
 
 
 def test_bounded_it_starts_over(raw: Tokenizer) -> None:
     cache = _encoder(raw, max_words=64, learn=32)
     for k in range(40):
         text = " ".join(f"q{k}r{i}" for i in range(20))
-        assert _as_list(cache.ids(text)) == _ids(raw, text)
-        assert len(cache) <= 64
+        for _ in range(2):
+            got = cache.ids(text)
+            assert got is None or _as_list(got) == _ids(raw, text)
+            assert len(cache) <= 64
 
 
 def test_tokenizer_answers_distinct_prompts_from_words(raw: Tokenizer) -> None:
@@ -117,4 +130,4 @@ def test_tokenizer_answers_distinct_prompts_from_words(raw: Tokenizer) -> None:
     for i in range(30):
         prompt = f"{i}: " + " ".join(rng.choice(WORDS) for _ in range(400))
         assert tok.completion(prompt) == list(raw.encode(prompt).ids)
-    assert tok.words.hits >= 29 and len(tok.pieces) == 0
+    assert tok.words.hits >= 28 and len(tok.pieces) == 0

@@ -3,7 +3,11 @@ cost for prompts built the same way (the floor a tokenizing router cannot go und
 
 - repeated: one ~2k-token prompt, every request (what a content cache answers at once);
 - shared-prefix: one ~2k-token prefix, then a distinct ~30-token tail per request;
-- distinct: every request ~2k tokens of its own from the first token on.
+- distinct: every request ~2k tokens of its own from the first token on (words of a small
+  vocabulary, as natural text repeats its words);
+- novel-words: like distinct, but each word made of 2-4 random syllables (~10^5-10^7 words),
+  so almost every word is new to the router too: what kvroute costs when it remembers
+  nothing of the text it is sent (identifiers, code, rare words).
 
 Every request's text is distinct: a run-unique salt (wrk's Lua states start identical, and
 runs must not see each other's prompts) and a request counter open the varying part.
@@ -23,7 +27,7 @@ from router.textgen import WORDS, filler
 from router.tokenize import PACKAGED_TOKENIZER, LocalTokenizer
 
 MODEL = "kvroute-sim"
-MIXES = ("repeated", "shared-prefix", "distinct")
+MIXES = ("repeated", "shared-prefix", "distinct", "novel-words")
 PROMPT_TOKENS = 2000
 TAIL_WORDS = 6  # + "Question <salt>-<n>:": ~30 tokens
 SENTENCE = 40  # words per sentence, as `router.textgen.filler` writes them
@@ -40,16 +44,25 @@ function init(args)
   salt = args[1] or "0"
   math.randomseed(tonumber(args[2]) or 1)
 end
+local syllables = {%(syllables)s}
+local function word()
+  if #syllables == 0 then return words[math.random(#words)] end
+  local w = {}
+  for _ = 1, math.random(2, 4) do w[#w + 1] = syllables[math.random(#syllables)] end
+  return table.concat(w)
+end
 function request()
   n = n + 1
   local parts = {%(opening)s}
   for i = 1, count do
-    parts[#parts + 1] = words[math.random(#words)]
+    parts[#parts + 1] = word()
     if i %% %(sentence)d == 0 then parts[#parts + 1] = "." end
   end
   return wrk.format(nil, nil, nil, head .. table.concat(parts, " ") .. foot)
 end
 """
+# novel-words: 64 syllables, 2-4 per word
+SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"][:64]
 
 
 def _body_around(prompt_head: str) -> tuple[str, str]:
@@ -73,13 +86,14 @@ class Mix:
     def __init__(self, name: str, tok: LocalTokenizer) -> None:
         self.name = name
         self.prefix = ""
+        self.syllables = SYLLABLES if name == "novel-words" else []
         if name == "repeated":
             self.prefix, self.count = filler(tok, PROMPT_TOKENS, random.Random(3)), 0
         elif name == "shared-prefix":
             self.prefix = filler(tok, PROMPT_TOKENS, random.Random(5)) + "\n\n"
             self.count = TAIL_WORDS
         else:
-            self.count = _words_for(tok, PROMPT_TOKENS)
+            self.count = _words_for(tok, PROMPT_TOKENS, self._word)
 
     def prompt(self, salt: str, n: int, rng: random.Random) -> str:
         """What request `n` of a run salted `salt` sends (the Python twin of the Lua)."""
@@ -87,10 +101,15 @@ class Mix:
             return self.prefix
         parts = [_opening(self.name)[1].format(salt=salt, n=n)]
         for i in range(1, self.count + 1):
-            parts.append(rng.choice(WORDS))
+            parts.append(self._word(rng))
             if i % SENTENCE == 0:
                 parts.append(".")
         return self.prefix + " ".join(parts)
+
+    def _word(self, rng: random.Random) -> str:
+        if not self.syllables:
+            return rng.choice(WORDS)
+        return "".join(rng.choice(self.syllables) for _ in range(rng.randint(2, 4)))
 
     def lua(self) -> str:
         if self.name == "repeated":
@@ -104,6 +123,7 @@ class Mix:
             "count": self.count,
             "opening": _opening(self.name)[0],
             "sentence": SENTENCE,
+            "syllables": ", ".join(json.dumps(x) for x in self.syllables),
         }
 
     def write(self, folder: Path) -> Path:
@@ -112,9 +132,9 @@ class Mix:
         return path
 
 
-def _words_for(tok: LocalTokenizer, tokens: int) -> int:
+def _words_for(tok: LocalTokenizer, tokens: int, word: Callable[[random.Random], str]) -> int:
     rng = random.Random(1)
-    text = " ".join(rng.choice(WORDS) for _ in range(1000))
+    text = " ".join(word(rng) for _ in range(1000))
     per_word = len(tok.completion(text)) / 1000
     return round(tokens / per_word)
 
