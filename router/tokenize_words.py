@@ -26,6 +26,7 @@ import re
 from collections.abc import Callable
 
 _WORD_START = re.compile(r"(?<=\S)(?= )")  # every safe cut (router.tokenize_split)
+_SPACE_AFTER_SPACE = re.compile(r"\s ")  # a space that is not a cut
 
 
 def words(text: str) -> list[str]:
@@ -33,8 +34,24 @@ def words(text: str) -> list[str]:
     return _WORD_START.split(text)
 
 
+def _keys(text: str) -> tuple[str | None, list[str]]:
+    """The text's words as lookup keys: its first word when it does not start with a
+    space, then every word starting with one, without it. Where every space follows a
+    non-space (most text), every space is a cut and `str.split` finds the words (~3x
+    faster than the regex split)."""
+    if text[:1] not in ("", " ") and not _SPACE_AFTER_SPACE.search(text):
+        rest = text.split(" ")
+        return rest[0], rest[1:]
+    cut = words(text)
+    if cut[0][:1] == " ":
+        return None, [w[1:] for w in cut]
+    return cut[0], [w[1:] for w in cut[1:]]
+
+
 class WordIds:
-    """Word -> its ids (array('I') bytes), with a bounded, self-limiting learner.
+    """Word -> its ids (array('I') bytes), with a bounded, self-limiting learner. Words
+    that start with a space are kept without it (a text's other words); a first word
+    without one has its own table.
 
     `encode_words(texts)` must return each text's ids encoded alone, without specials."""
 
@@ -48,7 +65,8 @@ class WordIds:
         learn: int = 48,
     ) -> None:
         self._encode = encode_words
-        self._ids: dict[str, bytes] = {}
+        self._spaced: dict[str, bytes] = {}  # " " + key -> ids
+        self._first: dict[str, bytes] = {}  # a text's first word, no space before it
         self.max_words = max_words
         self.learn = learn
         self._cooldown = 0
@@ -58,45 +76,56 @@ class WordIds:
     def ids(self, text: str) -> bytes | None:
         """The ids of `text` (array('I') bytes, no specials), or None when too many of its
         words are new: the caller encodes it whole."""
+        if not text:
+            return b""
         if self._cooldown or not self._promising(text):
             self._cooldown = max(self._cooldown - 1, 0)
             self.misses += 1
             return None
-        cut = words(text)
-        got = list(map(self._ids.get, cut))
-        if None not in got:
+        first, rest = _keys(text)
+        got = list(map(self._spaced.get, rest))
+        head = self._first.get(first) if first is not None else b""
+        if head is not None and None not in got:
             self.hits += 1
-            return b"".join(got)  # type: ignore[arg-type]
-        new = list(dict.fromkeys(w for w, ids in zip(cut, got, strict=True) if ids is None))
-        learned = self._remember(new[: self.learn])
+            return head + b"".join(got)  # type: ignore[arg-type]
+        new = list(dict.fromkeys(k for k, ids in zip(rest, got, strict=True) if ids is None))
+        learned = self._remember(first if head is None else None, new[: self.learn])
         if len(new) > self.learn:
             self.misses += 1
             return None
         self.hits += 1
-        pairs = zip(cut, got, strict=True)
-        return b"".join([learned[w] if ids is None else ids for w, ids in pairs])
+        pairs = zip(rest, got, strict=True)
+        head = head if head is not None else self._first[first]  # type: ignore[index]
+        return head + b"".join([learned[k] if ids is None else ids for k, ids in pairs])
 
     def _promising(self, text: str) -> bool:
         """Are most of the opening words known? If not, they are learned (a vocabulary
         that comes back is known after a text or two), and a grown cache looks at the next
         COOLDOWN texts not at all: a stream it cannot help costs ~10 us a text."""
-        opening = words(text[: self.SAMPLE_CHARS])[:-1]  # the last may be cut short
-        new = [w for w in opening if w not in self._ids]
-        if len(new) * 2 <= len(opening):
+        first, rest = _keys(text[: self.SAMPLE_CHARS])
+        rest = rest[:-1] if len(text) > self.SAMPLE_CHARS else rest  # the last may be cut
+        new = [k for k in rest if k not in self._spaced]
+        if len(new) * 2 <= len(rest):
             return True
-        self._remember(list(dict.fromkeys(new)))
-        if len(self._ids) >= self.max_words // 4:
+        self._remember(first if first not in self._first else None, list(dict.fromkeys(new)))
+        if len(self) >= self.max_words // 4:
             self._cooldown = self.COOLDOWN + 1
         return False
 
-    def _remember(self, new: list[str]) -> dict[str, bytes]:
-        if not new:
+    def _remember(self, first: str | None, new: list[str]) -> dict[str, bytes]:
+        """Encode and keep `new` spaced words (and a new first word); their ids by key."""
+        texts = [" " + k for k in new] + ([first] if first is not None else [])
+        if not texts:
             return {}
-        learned = dict(zip(new, self._encode(new), strict=True))
-        if len(self._ids) + len(learned) > self.max_words:
-            self._ids.clear()
-        self._ids.update(learned)
+        found = self._encode(texts)
+        if len(self) + len(texts) > self.max_words:
+            self._spaced.clear()
+            self._first.clear()
+        learned = dict(zip(new, found, strict=False))
+        self._spaced.update(learned)
+        if first is not None:
+            self._first[first] = found[-1]
         return learned
 
     def __len__(self) -> int:
-        return len(self._ids)
+        return len(self._spaced) + len(self._first)

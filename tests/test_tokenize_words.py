@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 from router.textgen import WORDS
 from router.tokenize import PACKAGED_TOKENIZER, LocalTokenizer
 from router.tokenize_split import pieces
-from router.tokenize_words import WordIds, words
+from router.tokenize_words import WordIds, _keys, words
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +93,9 @@ def test_known_words_need_no_tokenizer_call(raw: Tokenizer) -> None:
 def test_text_mostly_of_new_words_is_left_to_the_caller(raw: Tokenizer) -> None:
     calls: list[list[str]] = []
     cache = _encoder(raw, calls, max_words=400, learn=8)
-    novel = " ".join(f"w{i}x" for i in range(50))
+    novel = " ".join(f"w{i}x" for i in range(100))
     assert cache.ids(novel) is None and cache.misses == 1
-    assert 0 < len(cache) < 50  # its opening words learned, not the rest
+    assert 0 < len(cache) < 100  # its opening words learned, not the rest
     while len(cache) < cache.max_words // 4:  # young: every such text teaches its opening
         assert cache.ids(" ".join(f"z{len(cache)}q{i}" for i in range(60))) is None
     # grown: after a text mostly of new words the next COOLDOWN are not even looked at
@@ -131,3 +131,14 @@ def test_tokenizer_answers_distinct_prompts_from_words(raw: Tokenizer) -> None:
         prompt = f"{i}: " + " ".join(rng.choice(WORDS) for _ in range(400))
         assert tok.completion(prompt) == list(raw.encode(prompt).ids)
     assert tok.words.hits >= 28 and len(tok.pieces) == 0
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(texts, any_texts, st.text(alphabet=" ab\n\t\xa0", max_size=30)))
+def test_keys_are_the_words(text: str) -> None:
+    """The fast split finds exactly the regex's words."""
+    if not text:
+        return
+    first, rest = _keys(text)
+    rebuilt = ([first] if first is not None else []) + [" " + k for k in rest]
+    assert rebuilt == words(text)
