@@ -5,15 +5,22 @@ Approximate mode (a worker that publishes no events): every routing decision is 
 structure holds predictions for a few seconds (default 5 s), so a burst of siblings sees the
 prefix before the worker's first BlockStored arrives.
 
-Expiry runs in time order. With one TTL per index and a monotonic clock, records expire in the
-order they were made, so a FIFO of records is already sorted by expiry; a block refreshed by a
-later record keeps living until that record's time (its newest expiry is kept per block).
+Expiry runs in time order. With one TTL per index and a monotonic clock, a worker's records
+expire in the order they were made, so a FIFO of records per worker is already sorted by
+expiry; a block refreshed by a later record keeps living until that record's time (its newest
+expiry is kept per block).
+
+Bounded per worker: a worker whose entries pass its cap (its KV capacity when known, like the
+exact index's; `DEFAULT_WORKER_CAP` blocks until then) forgets its oldest records first, as
+its engine would evict them. Besides being what the worker can really hold, this keeps every
+table small: at a thousand 2k-token requests a second, 120 s of records is ~15M entries, and
+the tables growing towards that (a Python dict doubling, the compiled index rebuilding) held
+the event loop for 10-85 ms at a time.
 
 Every routed request is a record of its whole chain (a 2k-token prompt is 128 blocks), so the
 bookkeeping is bulk work in C-speed builtins: per worker one dict block -> expiry, filled by
 `dict.update(dict.fromkeys(...))`, and the records' chains kept as `array('Q')` (one object,
-never walked by the garbage collector: at 120 s x hundreds of requests/s, lists of ints made
-every full collection a pause).
+never walked by the garbage collector).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 from array import array
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from indexer.clock import Clock
 from indexer.hashing import RouterBlockHash
@@ -29,25 +37,49 @@ from indexer.index import Overlap, PrefixIndex
 APPROX_TTL_S = 120.0
 PREDICTION_TTL_S = 5.0
 REFRESH_SLACK = 0.01  # a chain re-recorded within 1% of the TTL keeps its expiry
+DEFAULT_WORKER_CAP = 1 << 16  # blocks, until the worker's KV capacity is known
+
+
+@dataclass
+class _Worker:
+    """One worker's records (oldest first) and the newest expiry of each block."""
+
+    cap: int
+    records: deque[tuple[float, array[int]]] = field(default_factory=deque)
+    expiry: dict[int, float] = field(default_factory=dict)
+    chains: dict[int, float] = field(default_factory=dict)  # chain's last hash -> expiry
 
 
 class TtlIndex:
-    """A prefix index whose entries expire, oldest first, on an injected clock. At
-    `max_entries` (worker x block pairs) the oldest records expire early, so memory stays
-    bounded under any request rate (a bound the index inside never has to enforce itself)."""
+    """A prefix index whose entries expire, oldest first, on an injected clock, within a
+    cap per worker and `max_entries` in all (past either, the oldest records go early)."""
 
-    def __init__(self, clock: Clock, ttl_s: float, max_entries: int = 2_000_000) -> None:
+    def __init__(
+        self,
+        clock: Clock,
+        ttl_s: float,
+        max_entries: int = 2_000_000,
+        worker_cap: int = DEFAULT_WORKER_CAP,
+    ) -> None:
         if ttl_s <= 0:
             raise ValueError("ttl_s must be positive")
         self._clock = clock
         self.ttl_s = ttl_s
         self.max_entries = max_entries
+        self.worker_cap = worker_cap
         self._entries = 0  # worker x block pairs with an expiry
         self._index = PrefixIndex(max_entries=max_entries + (1 << 16))
-        self._expiry: dict[str, dict[int, float]] = {}  # worker -> block -> newest expiry
-        self._records: deque[tuple[float, str, array[int]]] = deque()
-        # (worker, chain's last hash) -> when its newest record expires
-        self._chains: dict[tuple[str, int], float] = {}
+        self._workers: dict[str, _Worker] = {}
+        self._caps: dict[str, int] = {}  # kept across forget_worker (an engine restart)
+        self._next = float("inf")  # the earliest expiry of any worker's oldest record
+
+    def set_worker_cap(self, worker: str, cap: int | None) -> None:
+        """Bound a worker's entries (its KV capacity in blocks); None: the default."""
+        self._caps[worker] = cap or self.worker_cap
+        w = self._workers.get(worker)
+        if w is not None:
+            w.cap = self._caps[worker]
+            self._trim(worker, w)
 
     def record(self, worker: str, router_hashes: Sequence[RouterBlockHash]) -> None:
         """Remember that `worker` holds this chain until now + ttl (refreshing older ones)."""
@@ -55,38 +87,50 @@ class TtlIndex:
             return
         self.expire()
         until = self._clock.now() + self.ttl_s
-        chain = (worker, router_hashes[-1])
-        last = self._chains.get(chain)
+        w = self._worker(worker)
+        last = w.chains.get(router_hashes[-1])
         if last is not None and until - last < self.ttl_s * REFRESH_SLACK:
             return  # refreshed a moment ago: a burst of the same prompt costs one record
-        self._chains[chain] = until
-        expiry = self._expiry.get(worker)
-        if expiry is None:
-            expiry = self._expiry[worker] = {}
-            self._index.add_worker(worker)
-        before = len(expiry)
-        expiry.update(dict.fromkeys(router_hashes, until))
-        self._entries += len(expiry) - before
-        self._records.append((until, worker, array("Q", router_hashes)))
+        w.chains[router_hashes[-1]] = until
+        before = len(w.expiry)
+        w.expiry.update(dict.fromkeys(router_hashes, until))
+        self._entries += len(w.expiry) - before
+        w.records.append((until, array("Q", router_hashes)))
+        self._next = min(self._next, w.records[0][0])
         self._index.store_chain(worker, router_hashes)
-        while self._entries > self.max_entries and len(self._records) > 1:
-            self._drop(*self._records.popleft())  # at the bound, the oldest records go early
+        self._trim(worker, w)
+
+    def _worker(self, worker: str) -> _Worker:
+        w = self._workers.get(worker)
+        if w is None:
+            w = self._workers[worker] = _Worker(self._caps.get(worker, self.worker_cap))
+            self._index.add_worker(worker)
+        return w
+
+    def _trim(self, worker: str, w: _Worker) -> None:
+        """Past the worker's cap or the global bound, its oldest records go early."""
+        while len(w.records) > 1 and (len(w.expiry) > w.cap or self._entries > self.max_entries):
+            self._drop(worker, w)
 
     def expire(self) -> int:
         """Drop every entry whose time has come; returns how many."""
         now = self._clock.now()
-        records = self._records
+        if now < self._next:
+            return 0
         n = 0
-        while records and records[0][0] <= now:
-            n += self._drop(*records.popleft())
+        for worker, w in self._workers.items():
+            while w.records and w.records[0][0] <= now:
+                n += self._drop(worker, w)
+        heads = [w.records[0][0] for w in self._workers.values() if w.records]
+        self._next = min(heads, default=float("inf"))
         return n
 
-    def _drop(self, until: float, worker: str, hashes: array[int]) -> int:
-        """Forget one record's blocks that no later record refreshed."""
-        chain = (worker, hashes[-1])
-        if self._chains.get(chain) == until:
-            del self._chains[chain]
-        expiry = self._expiry[worker]
+    def _drop(self, worker: str, w: _Worker) -> int:
+        """Forget the worker's oldest record: its blocks no later record refreshed."""
+        until, hashes = w.records.popleft()
+        if w.chains.get(hashes[-1]) == until:
+            del w.chains[hashes[-1]]
+        expiry = w.expiry
         gone = [rh for rh in hashes if expiry.get(rh) == until]
         for rh in gone:
             del expiry[rh]
@@ -100,12 +144,10 @@ class TtlIndex:
         return self._index.find_matches(router_hashes)
 
     def forget_worker(self, worker: str) -> None:
-        expiry = self._expiry.pop(worker, None)
-        if expiry is None:
+        w = self._workers.pop(worker, None)
+        if w is None:
             return
-        self._entries -= len(expiry)
-        self._records = deque(r for r in self._records if r[1] != worker)
-        self._chains = {k: v for k, v in self._chains.items() if k[0] != worker}
+        self._entries -= len(w.expiry)
         self._index.remove_worker(worker)
 
     def entries_of(self, worker: str) -> int:

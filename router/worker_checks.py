@@ -150,8 +150,7 @@ class WorkerChecks:
         for state in h.states:
             if m.num_gpu_blocks:
                 state.capacity_blocks = m.num_gpu_blocks
-                cap = int(m.num_gpu_blocks * margin)
-                self.pool.fleet.index.set_worker_cap(state.name, cap)
+                self.pool.fleet.set_capacity(state.name, int(m.num_gpu_blocks * margin))
             if m.block_size and not configured:
                 state.block_size = m.block_size
             state.caching = m.prefix_caching is not False

@@ -105,16 +105,18 @@ STEPS = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None)
-@given(STEPS, st.integers(4, 40))
-def test_matches_a_dict_of_expiries(steps: list[tuple[Any, ...]], bound: int) -> None:
+@settings(max_examples=200, deadline=None)
+@given(STEPS, st.integers(4, 40), st.integers(2, 12))
+def test_matches_a_dict_of_expiries(steps: list[tuple[Any, ...]], bound: int, cap: int) -> None:
     """Per (worker, block) the newest record's expiry, records within 1% of the TTL of the
-    same chain skipped, the oldest records dropped past the bound: what find_matches says
-    is the longest leading run of live blocks per worker."""
+    same chain skipped, a worker's oldest records dropped past its cap or the bound: what
+    find_matches says is the longest leading run of live blocks per worker."""
     clock = FakeClock()
     ttl = TtlIndex(clock, ttl_s=5, max_entries=bound)
+    ttl.set_worker_cap("b", cap)
+    caps = {"a": 1 << 16, "b": cap}
     live: dict[tuple[str, int], float] = {}
-    records: list[tuple[float, str, list[int]]] = []
+    records: dict[str, list[tuple[float, list[int]]]] = {"a": [], "b": []}
     last: dict[tuple[str, int], float] = {}
     for step in steps:
         if step[0] == "advance":
@@ -127,17 +129,23 @@ def test_matches_a_dict_of_expiries(steps: list[tuple[Any, ...]], bound: int) ->
             if until - last.get((worker, hashes[-1]), -1e9) >= 5 * 0.01:
                 last[(worker, hashes[-1])] = until
                 live.update({(worker, h): until for h in hashes})
-                records.append((until, worker, hashes))
-                while len(live) > bound and len(records) > 1:
-                    old, w, hs = records.pop(0)
-                    if last.get((w, hs[-1])) == old:
-                        del last[(w, hs[-1])]
+                mine = records[worker]
+                mine.append((until, hashes))
+                while len(mine) > 1 and (
+                    sum(k[0] == worker for k in live) > caps[worker] or len(live) > bound
+                ):
+                    old, hs = mine.pop(0)
+                    if last.get((worker, hs[-1])) == old:
+                        del last[(worker, hs[-1])]
                     for h in hs:
-                        if live.get((w, h)) == old:
-                            del live[(w, h)]
+                        if live.get((worker, h)) == old:
+                            del live[(worker, h)]
         now = clock.now()
         for key in [k for k, v in live.items() if v <= now]:
             del live[key]
+        for mine in records.values():
+            while mine and mine[0][0] <= now:
+                mine.pop(0)
         for chain in CHAINS:
             want = {}
             for worker in "ab":
@@ -148,3 +156,24 @@ def test_matches_a_dict_of_expiries(steps: list[tuple[Any, ...]], bound: int) ->
                     want[worker] = Overlap(run, {"GPU": run})
             assert ttl.find_matches(chain) == want
         assert len(ttl) == len(live)
+
+
+def test_a_workers_capacity_bounds_what_is_believed_of_it() -> None:
+    """The fleet's capacity (from the engine's num_gpu_blocks) caps the approximate and
+    predicted entries too, oldest records first, and survives the worker's cache reset."""
+    from router.core.fleet import APPROX, FleetState, WorkerState
+
+    clock = FakeClock()
+    fleet = FleetState(clock)
+    fleet.add(WorkerState("w", APPROX, 8))
+    fleet.set_capacity("w", 6)
+    older = hash_request(list(range(100, 132)), 8, Namespace())
+    for ttl in (fleet.approx, fleet.predictions):
+        ttl.record("w", older)
+        clock.advance(0.5)
+        ttl.record("w", H)  # 8 entries > 6: the older chain goes
+        assert ttl.entries_of("w") == 4 and ttl.find_matches(older) == {}
+    fleet.forget_cache("w")
+    fleet.approx.record("w", older)
+    fleet.approx.record("w", H)
+    assert fleet.approx.entries_of("w") == 4

@@ -80,6 +80,13 @@ class FleetState:
         self.index.remove_worker(name)
         self.load.forget(name)
 
+    def set_capacity(self, name: str, blocks: int) -> None:
+        """What an endpoint can hold (its KV capacity, with the index margin) bounds what
+        is believed of it: exact, predicted and approximate entries alike."""
+        self.index.set_worker_cap(name, blocks)
+        self.predictions.set_worker_cap(name, blocks)
+        self.approx.set_worker_cap(name, blocks)
+
     def forget_cache(self, name: str) -> None:
         """Drop everything believed about an endpoint's cache (exact, predicted, approximate)."""
         self.index.clear_worker(name)
