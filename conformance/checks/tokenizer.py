@@ -78,7 +78,8 @@ def _record(f: Findings, kind: str, i: int, mine: list[int], theirs: list[int]) 
 @check(
     "tokenizer",
     "kvroute's local tokenizer equals the engine's /tokenize for completions and chat "
-    "(multi-turn, system, list content parts, unicode, special-token text)",
+    "(multi-turn, system, list content parts, unicode, special-token text), through its "
+    "reused prefix pieces and its known-word path",
     needs=(TOKENIZE,),
     engines=("main",),
 )
@@ -107,5 +108,8 @@ async def tokenizer(ctx: Context, f: Findings) -> None:
             )
     f.note("compared", len(prompts) + len(chats))
     f.note("pieces_reused", local.pieces.hits)
+    f.note("texts_from_known_words", local.words.hits)
     if not local.pieces.hits:  # each prompt comes thrice (alone, two tails): reuse must show
         f.problems.append("no prompt piece was reused: the prefix-reuse path went unchecked")
+    if not local.words.hits:
+        f.problems.append("no text was joined from known words: that path went unchecked")

@@ -3,11 +3,12 @@
 The backend (router.bench.backend, its own process) is reached directly, through kvroute
 (kv policy, tokenizing ~2k-token prompts with the model's tokenizer), and through the peer
 routers when they are installed; wrk drives each at concurrency 1 and 32, for each prompt
-mix (`router.bench.proxy_prompts`: repeated, shared-prefix, distinct). Reported per mix:
+mix (`router.bench.proxy_prompts`: repeated, shared-prefix, distinct, novel-words). Reported per mix:
 p50/p99 latency, added latency over direct, requests/s, each process's CPU per request
 (from /proc), ratios against the peers, and the tokenizer's own CPU time for prompts of the
-mix (the floor). Medians over `--repeat` runs: the machine is shared and noisy. `--long N`
-adds one N-second run at concurrency 1 per target (p99 and max: pauses).
+mix (the floor). Medians over `--repeat` runs, which take turns between the targets (all
+up at once): the machine is shared and noisy, and its drift must hit every target alike.
+`--long N` adds one N-second run at concurrency 1 per target (p99 and max: pauses).
 
 JSON: `by_prompts: {mix: {"targets", "ratios", "tokenizer"}}`; the top-level `targets` and
 `ratios` are the repeated-prompt ones.
@@ -169,8 +170,8 @@ def run(
     mixes = [Mix(name, tok) for name in (prompts or MIXES)]
     luas = {m.name: m.write(tmp) for m in mixes}
     by: dict[str, Any] = {m.name: {"targets": {}, "tokenizer": floor(m)} for m in mixes}
-    with backend(ports) as backend_pid:
-        _measure_all(by, "direct", Target(workers[0], backend_pid), luas, seconds, repeat)
+    with backend(ports) as backend_pid, contextlib.ExitStack() as stack:
+        targets = {"direct": Target(workers[0], backend_pid)}
         for name, factory in TARGETS.items():
             if only and name not in only:
                 continue
@@ -179,10 +180,10 @@ def run(
                 for mix in by.values():
                     mix["targets"][name] = {"skipped": "not installed"}
                 continue
-            with target as t:
-                _measure_all(by, name, t, luas, seconds, repeat)
+            targets[name] = stack.enter_context(target)
+        _measure_all(by, targets, luas, seconds, repeat)
         if long_seconds:
-            _long_runs(by, workers, backend_pid, luas, long_seconds, only)
+            _long_runs(by, targets, luas, long_seconds)
     results = _assemble(by, seconds, repeat)
     _print(results)
     if json_path is not None:
@@ -195,42 +196,42 @@ def run(
 
 
 def _measure_all(
-    by: dict[str, Any], name: str, target: Target, luas: dict[str, Path], seconds: int, repeat: int
+    by: dict[str, Any],
+    targets: dict[str, Target],
+    luas: dict[str, Path],
+    seconds: int,
+    repeat: int,
 ) -> None:
-    for mix, lua in luas.items():
-        by[mix]["targets"][name] = _measure(target, lua, seconds, repeat)
+    """Every target is up at once and the runs take turns (each repeat: each mix, each
+    concurrency, each target), so the machine's drift over the minutes of a bench hits
+    every target alike and the ratios stay fair."""
+    runs: dict[tuple[str, str, int], list[Run]] = {}
+    for _ in range(repeat):
+        for mix, lua in luas.items():
+            for target in targets.values():
+                wrk(target, lua, 1, 1)  # warm-up: connections, caches
+            for conns in (1, 32):
+                for name, target in targets.items():
+                    runs.setdefault((name, mix, conns), []).append(wrk(target, lua, conns, seconds))
+    for (name, mix, conns), rs in runs.items():
+        by[mix]["targets"].setdefault(name, {})[f"c{conns}"] = _medians(rs)
 
 
 def _long_runs(
-    by: dict[str, Any],
-    workers: list[str],
-    backend_pid: int,
-    luas: dict[str, Path],
-    seconds: int,
-    only: list[str] | None,
+    by: dict[str, Any], targets: dict[str, Target], luas: dict[str, Path], seconds: int
 ) -> None:
     """One long run at concurrency 1 per target and mix: p99 and max show pauses."""
-    factories: dict[str, Callable[[list[str]], Any]] = {
-        "direct": lambda _: contextlib.nullcontext(Target(workers[0], backend_pid)),
-        **TARGETS,
-    }
-    for name, factory in factories.items():
-        if name not in by[next(iter(luas))]["targets"] or (only and name not in [*only, "direct"]):
-            continue
-        target = factory(workers)
-        if target is None:
-            continue
-        with target as t:
-            for mix, lua in luas.items():
-                wrk(t, lua, 1, 1)
-                r = wrk(t, lua, 1, seconds)
-                by[mix]["targets"][name]["c1_long"] = {
-                    "seconds": seconds,
-                    "p50_us": r.p50_us,
-                    "p99_us": r.p99_us,
-                    "max_us": r.max_us,
-                    "requests": r.requests,
-                }
+    for mix, lua in luas.items():
+        for name, target in targets.items():
+            wrk(target, lua, 1, 1)
+            r = wrk(target, lua, 1, seconds)
+            by[mix]["targets"][name]["c1_long"] = {
+                "seconds": seconds,
+                "p50_us": r.p50_us,
+                "p99_us": r.p99_us,
+                "max_us": r.max_us,
+                "requests": r.requests,
+            }
 
 
 def _assemble(by: dict[str, Any], seconds: int, repeat: int) -> dict[str, Any]:
@@ -265,20 +266,15 @@ def plot(results: dict[str, Any]) -> str:
     )
 
 
-def _measure(target: Target, lua: Path, seconds: int, repeat: int) -> dict[str, Any]:
-    wrk(target, lua, 1, 1)  # warm-up: connections, caches
-    out: dict[str, Any] = {}
-    for conns in (1, 32):
-        runs = [wrk(target, lua, conns, seconds) for _ in range(repeat)]
-        out[f"c{conns}"] = {
-            "p50_us": statistics.median(r.p50_us for r in runs),
-            "p99_us": statistics.median(r.p99_us for r in runs),
-            "max_us": max(r.max_us for r in runs),
-            "rps": round(statistics.median(r.rps for r in runs)),
-            "cpu_us_per_req": round(statistics.median(r.cpu_us for r in runs), 1),
-            "errors": sum(r.errors for r in runs),
-        }
-    return out
+def _medians(runs: list[Run]) -> dict[str, Any]:
+    return {
+        "p50_us": statistics.median(r.p50_us for r in runs),
+        "p99_us": statistics.median(r.p99_us for r in runs),
+        "max_us": max(r.max_us for r in runs),
+        "rps": round(statistics.median(r.rps for r in runs)),
+        "cpu_us_per_req": round(statistics.median(r.cpu_us for r in runs), 1),
+        "errors": sum(r.errors for r in runs),
+    }
 
 
 def _derive(mix: dict[str, Any]) -> None:
