@@ -58,7 +58,7 @@ class TtlIndex:
         self,
         clock: Clock,
         ttl_s: float,
-        max_entries: int = 2_000_000,
+        max_entries: int = 1_000_000,
         worker_cap: int = DEFAULT_WORKER_CAP,
     ) -> None:
         if ttl_s <= 0:
