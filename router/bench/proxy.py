@@ -3,8 +3,8 @@
 The backend (router.bench.backend, its own process) is reached directly, through kvroute
 (kv policy, tokenizing ~2k-token prompts with the model's tokenizer), and through the peer
 routers when they are installed; wrk drives each at concurrency 1 and 32, for each prompt
-mix (`router.bench.proxy_prompts`: repeated, shared-prefix, distinct, novel-words). Reported per mix:
-p50/p99 latency, added latency over direct, requests/s, each process's CPU per request
+mix (`router.bench.proxy_prompts`: repeated, shared-prefix, distinct, novel-words). Reported
+per mix: p50/p99 latency, added latency over direct, requests/s, each process's CPU per request
 (from /proc), ratios against the peers, and the tokenizer's own CPU time for prompts of the
 mix (the floor). Medians over `--repeat` runs, which take turns between the targets (all
 up at once): the machine is shared and noisy, and its drift must hit every target alike.
