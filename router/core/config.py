@@ -55,10 +55,12 @@ class ScoringConfig:
         }
     )
     params: dict[str, dict[str, Any]] = field(default_factory=dict)  # scorer -> its parameters
-    # a worker may run this many requests above the least loaded... (16, not 8: at 8 a
-    # shuffled prefix-repetition workload at c=16 split groups over workers, measured 0.725
-    # cached vs 0.738; the busy bound is the overload guard)
-    balance_abs: int = 16
+    # a worker may run this many requests above the least loaded... (32: at 8 a shuffled
+    # prefix-repetition workload at c=16 split groups over workers, 0.725 cached vs 0.738;
+    # at 16 a hot prefix spilled to workers that then prefilled it whole, hot-prefix 0.861 vs
+    # 0.866 and long-short-mix TTFT p90 150 vs 136 ms, `kvroute bench routing`, medians of 3;
+    # 64 made TTFT worse again; the busy bound is the overload guard)
+    balance_abs: int = 32
     balance_rel: float = 1.5  # ...or this multiple of it, whichever is larger
 
 

@@ -162,7 +162,7 @@ class TriedFilter:
 
 @dataclass(frozen=True)
 class LoadBoundParams:
-    balance_abs: int = 16  # an endpoint may run this many requests above the least loaded...
+    balance_abs: int = 32  # an endpoint may run this many requests above the least loaded...
     balance_rel: float = 1.5  # ...or this multiple of it, whichever is larger
 
 
