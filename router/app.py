@@ -24,6 +24,7 @@ from router.core.fleet import FleetState
 from router.forward import Forwarder
 from router.metrics import RouterMetrics
 from router.pd.door import PDDoor
+from router.peers import PlacementLink
 from router.proxy import ProxyDoor
 from router.routing import DecisionService
 from router.sources import WorkerSources
@@ -87,6 +88,16 @@ class RouterApp:
         self.proxy.pd = self.pd
         self.control = Control(self.routing, self.sources, self.metrics)
         self.control.pd = self.pd
+        self.peers: PlacementLink | None = None
+        if config.peer_publish or config.peers:
+            counter = self.metrics.peer_placements
+            self.peers = PlacementLink(
+                self.fleet,
+                config.peer_publish,
+                config.peers,
+                on_result=lambda result: counter.labels(result).inc(),
+            )
+            self.routing.on_sent.append(self.peers.sent)
         # other doors served by this process (the Envoy picker): started after the fleet,
         # stopped before it
         self.doors: list[Any] = []
@@ -148,6 +159,8 @@ class RouterApp:
 
     async def startup(self) -> None:
         await self.sources.start()
+        if self.peers is not None:
+            await self.peers.start()
         await self.pd.start()
         self.routing.started = True
         for door in self.doors:
@@ -168,6 +181,8 @@ class RouterApp:
         for door in reversed(self.doors):  # in-flight picker streams get the drain timeout
             await door.stop(grace_s=self.config.drain_timeout_s)
         await self.pd.stop()
+        if self.peers is not None:
+            await self.peers.stop()
         await self.sources.stop()
         self.upstream.close()
         await self.client.aclose()

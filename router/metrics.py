@@ -99,6 +99,14 @@ class RouterMetrics:
             ["model"],
             registry=r,
         )
+        self.peer_placements = Counter(
+            "kvroute_peer_placements_total",
+            "Placements received from the other router replicas (--peer): applied as "
+            "predictions, or dropped (unknown_worker: the replicas' worker lists differ; "
+            "malformed)",
+            ["result"],
+            registry=r,
+        )
         self.retries = Counter(
             "kvroute_retries_total",
             "Requests retried on another worker after a connect failure",

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +92,8 @@ class DecisionService:
         self.started = False
         self.draining = False  # SIGTERM: stop taking new traffic
         self._remote_cache = TokenCache()
+        # told (endpoint, block hashes) of every request sent: the replicas' placement link
+        self.on_sent: list[Callable[[str, Sequence[int]], None]] = []
 
     # ---- the decision ----------------------------------------------------------------
 
@@ -232,6 +234,10 @@ class DecisionService:
         prof = self.profiles[profile or decision.profile]
         load = self.picker.commit(prof, decision, worker, extra_blocks=extra)
         self.metrics.child(self.metrics.inflight, worker).inc()
+        if self.on_sent:
+            hashes = decision.hashes.get(state.block_size, ())
+            for tell in self.on_sent:
+                tell(worker, hashes)
         return Ticket(decision, worker, load)
 
     def reassign(self, ticket: Ticket, worker: str) -> Ticket:

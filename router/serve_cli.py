@@ -68,6 +68,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _fleet_args(p)
     _routing_args(p)
     _overload_args(p)
+    _replica_args(p)
     _pd_args(p)
     _operator_args(p)
     from router.extproc.cli import add_arguments as ext_proc_arguments
@@ -163,6 +164,29 @@ def _overload_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="when every worker is busy, answer 429 (OpenAI rate_limit_error, Retry-After: 1) "
         "instead of queueing on a busy worker; counted in kvroute_requests_shed_total",
+    )
+
+
+def _replica_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "replicas: share placements (README: Several replicas)",
+        "Replicas behind one load balancer each see every worker's KV events, but a new\n"
+        "prefix reaching two of them within a prefill is placed by each on its own view.\n"
+        "Each replica publishes the requests it sends; what a peer sent becomes a short\n"
+        "prediction here. Give every replica the same workers. YAML: peer_publish, peers;\n"
+        "env KVROUTE_PEER_PUBLISH, KVROUTE_PEERS (comma-separated).",
+    )
+    g.add_argument(
+        "--peer-publish",
+        metavar="tcp://HOST:PORT",
+        help="publish this replica's placements here (ZMQ PUB), e.g. tcp://0.0.0.0:5570",
+    )
+    g.add_argument(
+        "--peer",
+        dest="peers",
+        action="append",
+        metavar="tcp://HOST:PORT",
+        help="another replica's --peer-publish endpoint to subscribe to; repeatable",
     )
 
 
@@ -282,6 +306,8 @@ _PLAIN = [
     "health_degraded_ok",
     "worker_header",
     "seed",
+    "peer_publish",
+    "peers",
     "busy_max_requests",
     "busy_max_kv_usage",
     "shed",

@@ -32,6 +32,7 @@ FAILURE_ONLY = {
     "kvroute_stream_errors_total",
     "kvroute_kv_malformed_total",
     "kvroute_requests_shed_total",  # only under overload with --shed
+    "kvroute_peer_placements_total",  # only between replicas (--peer)
 }
 GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h"}
 Doc = dict[str, Any]

@@ -235,6 +235,13 @@ def index_and_failures() -> list[Panel]:
         ),
         series("Retries", [q(rate("kvroute_retries_total", "worker", W))], "ops"),
         series(
+            "Peer placements",
+            [q(rate("kvroute_peer_placements_total", "result"))],
+            "ops",
+            "Placements received from the other replicas (--peer); unknown_worker: the "
+            "replicas' worker lists differ",
+        ),
+        series(
             "Shed (429)",
             [q(rate("kvroute_requests_shed_total", "model", M))],
             "reqps",

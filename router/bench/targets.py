@@ -15,7 +15,8 @@ should alternate over (two for `kvroute-replicas`), and stops them on exit.
   oracle                     no router: each request goes straight to the worker the ideal
                              places its group on (router.bench.ideal), measured
   kvroute-replicas           two kvroute serve processes, each consuming every worker's
-                             events; the client alternates between them per request
+                             events and sharing placements (--peer-publish, --peer); the
+                             client alternates between them per request
 """
 
 from __future__ import annotations
@@ -66,8 +67,12 @@ def _kvroute(policy: str = "kv", replicas: int = 1, extra: Sequence[str] = ()) -
         with contextlib.ExitStack() as stack:
             urls = Urls()
             urls.logs = []
-            for _ in range(replicas):
+            links = [f"tcp://127.0.0.1:{free_port()}" for _ in range(replicas)]
+            for i in range(replicas):
                 args = ["--seed", str(seed), *extra]
+                if replicas > 1:  # replicas share their placements (router/peers.py)
+                    args += ["--peer-publish", links[i]]
+                    args += [a for j, link in enumerate(links) if j != i for a in ("--peer", link)]
                 router = RouterProcess(
                     _urls(workers), policy=policy, tokenizer=PACKAGED_TOKENIZER, extra=args
                 )

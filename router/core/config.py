@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 from urllib.parse import urlsplit
@@ -64,6 +65,9 @@ class ScoringConfig:
     balance_rel: float = 1.5  # ...or this multiple of it, whichever is larger
 
 
+_PEER_ENDPOINT = re.compile(r"^tcp://[^\s:/]+:\d{1,5}$")
+
+
 @dataclass(frozen=True)
 class Config:
     workers: tuple[WorkerConfig, ...] = ()
@@ -118,6 +122,10 @@ class Config:
     busy_max_kv_usage: float | None = None  # KV cache use per worker, 0..1
     shed: bool = False
     seed: int | None = None
+    # router replicas behind one balancer share their placements (router/peers.py): this
+    # replica's PUB endpoint, and the other replicas' endpoints it subscribes to
+    peer_publish: str | None = None  # e.g. tcp://0.0.0.0:5570
+    peers: tuple[str, ...] = ()  # e.g. tcp://kvroute-1.kvroute:5570
     workers_file: str | None = None  # reloaded on change
     workers_dns: str | None = None  # HOST:PORT of a headless Service: one worker per A record
     dns_interval_s: float = 5.0
@@ -192,9 +200,27 @@ class Config:
         _check(self.scoring.balance_abs >= 0, "scoring.balance_abs", "must be >= 0")
         _check(self.scoring.balance_rel >= 1, "scoring.balance_rel", "must be >= 1")
         self._check_busy()
+        self._check_peers()
         for model, spec in self.tokenizers.items():
             _check(bool(model) and bool(spec), f"tokenizers.{model}", "give MODEL: PATH|remote")
         self._check_pd()
+
+    def _check_peers(self) -> None:
+        for name, value in [("peer_publish", self.peer_publish)] + [
+            (f"peers[{i}]", p) for i, p in enumerate(self.peers)
+        ]:
+            if value is not None:
+                _check(
+                    _PEER_ENDPOINT.match(value) is not None,
+                    name,
+                    f"{value!r}: use tcp://HOST:PORT (tcp://0.0.0.0:5570 to publish on every "
+                    "interface, tcp://kvroute-1.kvroute:5570 for a peer)",
+                )
+        _check(
+            self.peer_publish is None or self.peer_publish not in self.peers,
+            "peers",
+            "a replica does not subscribe to itself: list the other replicas' endpoints",
+        )
 
     def _check_busy(self) -> None:
         if self.busy_max_requests is not None:
@@ -361,15 +387,16 @@ def _merged_scoring(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def from_env(base: Config, environ: dict[str, str] | None = None) -> Config:
-    """KVROUTE_<FIELD> for scalar fields; KVROUTE_WORKERS is a comma-separated URL list."""
+    """KVROUTE_<FIELD> for scalar fields; KVROUTE_WORKERS and KVROUTE_PEERS are
+    comma-separated lists."""
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     for f in fields(Config):
         raw = env.get(ENV_PREFIX + f.name.upper())
         if raw is None or f.name in ("scoring", "tokenizers", "policy_params"):
             continue
-        if f.name == "workers":
-            values["workers"] = [u.strip() for u in raw.split(",") if u.strip()]
+        if f.name in ("workers", "peers"):
+            values[f.name] = [u.strip() for u in raw.split(",") if u.strip()]
         else:
             values[f.name] = raw
     try:
