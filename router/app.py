@@ -89,13 +89,15 @@ class RouterApp:
         self.control = Control(self.routing, self.sources, self.metrics)
         self.control.pd = self.pd
         self.peers: PlacementLink | None = None
-        if config.peer_publish or config.peers:
+        if config.peer_publish or config.peers or config.peers_dns:
             counter = self.metrics.peer_placements
             self.peers = PlacementLink(
                 self.fleet,
                 config.peer_publish,
                 config.peers,
                 on_result=lambda result: counter.labels(result).inc(),
+                peers_dns=config.peers_dns,
+                dns_interval_s=config.dns_interval_s,
             )
             self.routing.on_sent.append(self.peers.sent)
         # other doors served by this process (the Envoy picker): started after the fleet,

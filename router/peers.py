@@ -9,6 +9,10 @@ socket (`peer_publish`), and subscribes to the other replicas' (`peers`): what a
 becomes a short-lived prediction here, exactly as if this replica had sent it (approximate
 entries for an endpoint without events), until the engine's own events arrive.
 
+On Kubernetes the replicas find each other through a headless Service of the router pods
+(`peers_dns: HOST:PORT`), re-resolved every `dns_interval_s`; a replica skips its own address
+(`POD_IP` from the downward API, else what its hostname resolves to).
+
 Wire: two frames per placement, the endpoint name (UTF-8; replicas configured alike name
 endpoints alike) and the hashes as little-endian uint64. A placement naming an endpoint this
 replica does not know is counted and dropped (its worker list differs: the fix is to give
@@ -21,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 import sys
 import time
 from array import array
@@ -36,6 +42,14 @@ log = logging.getLogger("kvroute.peers")
 HWM = 10_000  # placements queued per peer before PUB drops (a slow peer loses hints only)
 LOG_EVERY_S = 60.0  # a kind of bad placement is logged at most this often
 _BIG_ENDIAN = sys.byteorder == "big"
+
+
+async def _own_addresses() -> set[str]:
+    """This pod's addresses: POD_IP (the downward API), else its hostname's."""
+    if os.environ.get("POD_IP"):
+        return {os.environ["POD_IP"]}
+    infos = await asyncio.get_running_loop().getaddrinfo(socket.gethostname(), None)
+    return {str(info[4][0]) for info in infos}
 
 
 def encode(worker: str, hashes: Sequence[int]) -> list[bytes]:
@@ -66,10 +80,17 @@ class PlacementLink:
         peers: Sequence[str],
         on_result: Callable[[str], None] | None = None,
         ctx: zmq.asyncio.Context | None = None,
+        peers_dns: str | None = None,
+        dns_interval_s: float = 5.0,
     ) -> None:
         self.fleet = fleet
         self.publish_endpoint = publish
         self.peers = list(peers)
+        self.peers_dns = peers_dns
+        self.dns_interval_s = dns_interval_s
+        self._sub: zmq.asyncio.Socket | None = None
+        self._connected: set[str] = set()
+        self._dns_task: asyncio.Task[None] | None = None
         self._on_result = on_result or (lambda _: None)
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self._pub: zmq.asyncio.Socket | None = None
@@ -84,18 +105,60 @@ class PlacementLink:
             self._pub.setsockopt(zmq.LINGER, 0)
             self._pub.bind(self.publish_endpoint)
             log.info("publishing placements on %s", self.publish_endpoint)
-        if self.peers:
-            self._task = asyncio.create_task(self._receive())
+        if self.peers or self.peers_dns:
+            self._sub = self._ctx.socket(zmq.SUB)
+            self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+            self._sub.setsockopt(zmq.RCVHWM, HWM)
+            self._sub.setsockopt(zmq.LINGER, 0)
+            self._sub.setsockopt(zmq.IPV6, 1)  # a dual-stack Service may answer AAAA too
+            self._connect(set(self.peers))
+            if self.peers_dns:
+                await self.resolve()
+                self._dns_task = asyncio.create_task(self._watch_dns())
+            self._task = asyncio.create_task(self._receive(self._sub))
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if self._pub is not None:
-            self._pub.close(linger=0)
-            self._pub = None
+        for task in (self._dns_task, self._task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._dns_task = self._task = None
+        for sock in (self._pub, self._sub):
+            if sock is not None:
+                sock.close(linger=0)
+        self._pub = self._sub = None
+
+    def _connect(self, wanted: set[str]) -> None:
+        assert self._sub is not None
+        for peer in sorted(wanted - self._connected):
+            self._sub.connect(peer)
+            log.info("receiving placements from %s", peer)
+        for peer in sorted(self._connected - wanted):
+            self._sub.disconnect(peer)
+            log.info("no longer receiving placements from %s", peer)
+        self._connected = set(wanted)
+
+    async def resolve(self) -> None:
+        """Subscribe to every replica behind `peers_dns` but this one (and the static
+        peers); a failed lookup keeps the current ones."""
+        assert self.peers_dns is not None
+        host, _, port = self.peers_dns.rpartition(":")
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+            mine = await _own_addresses()
+        except OSError as exc:
+            log.error("peers_dns %s: %s (keeping the current peers)", self.peers_dns, exc)
+            return
+        ips = {str(info[4][0]) for info in infos} - mine
+        found = {f"tcp://[{ip}]:{port}" if ":" in ip else f"tcp://{ip}:{port}" for ip in ips}
+        self._connect(found | set(self.peers))
+
+    async def _watch_dns(self) -> None:
+        while True:
+            await asyncio.sleep(self.dns_interval_s)
+            await self.resolve()
 
     def sent(self, worker: str, hashes: Sequence[int]) -> None:
         """This replica sent a request to `worker`: tell the peers (never blocks)."""
@@ -104,19 +167,9 @@ class PlacementLink:
         with contextlib.suppress(zmq.Again):
             self._pub.send_multipart(encode(worker, hashes), flags=zmq.NOBLOCK)
 
-    async def _receive(self) -> None:
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.setsockopt(zmq.RCVHWM, HWM)
-        sub.setsockopt(zmq.LINGER, 0)
-        for peer in self.peers:
-            sub.connect(peer)
-        log.info("receiving placements from %s", ", ".join(self.peers))
-        try:
-            while True:
-                self.apply(await sub.recv_multipart())
-        finally:
-            sub.close(linger=0)
+    async def _receive(self, sub: zmq.asyncio.Socket) -> None:
+        while True:
+            self.apply(await sub.recv_multipart())
 
     def apply(self, frames: Sequence[bytes]) -> str:
         """Record one peer placement as a prediction here; returns the result counted."""

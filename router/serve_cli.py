@@ -173,8 +173,8 @@ def _replica_args(p: argparse.ArgumentParser) -> None:
         "Replicas behind one load balancer each see every worker's KV events, but a new\n"
         "prefix reaching two of them within a prefill is placed by each on its own view.\n"
         "Each replica publishes the requests it sends; what a peer sent becomes a short\n"
-        "prediction here. Give every replica the same workers. YAML: peer_publish, peers;\n"
-        "env KVROUTE_PEER_PUBLISH, KVROUTE_PEERS (comma-separated).",
+        "prediction here. Give every replica the same workers. YAML: peer_publish, peers,\n"
+        "peers_dns; env KVROUTE_PEER_PUBLISH, KVROUTE_PEERS (comma-separated), KVROUTE_PEERS_DNS.",
     )
     g.add_argument(
         "--peer-publish",
@@ -187,6 +187,13 @@ def _replica_args(p: argparse.ArgumentParser) -> None:
         action="append",
         metavar="tcp://HOST:PORT",
         help="another replica's --peer-publish endpoint to subscribe to; repeatable",
+    )
+    g.add_argument(
+        "--peers-dns",
+        metavar="HOST:PORT",
+        help="subscribe to every replica behind this headless Service (their --peer-publish "
+        "port), re-resolved every dns_interval_s (5 s); this pod's own address ($POD_IP) is "
+        "skipped",
     )
 
 
@@ -308,6 +315,7 @@ _PLAIN = [
     "seed",
     "peer_publish",
     "peers",
+    "peers_dns",
     "busy_max_requests",
     "busy_max_kv_usage",
     "shed",

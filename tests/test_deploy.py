@@ -87,6 +87,7 @@ def test_manifests_exist() -> None:
         "Deployment/kvroute",
         "Deployment/vllm",
         "Service/kvroute",
+        "Service/kvroute-peers",
         "Service/vllm-workers",
     ]
 
@@ -228,7 +229,7 @@ def test_kvroute_command_probes_and_config_mount() -> None:
     assert command[:2] == ["kvroute", "serve"]
     assert _flag(command, "--host") == "0.0.0.0"
     port = int(_flag(command, "--port"))
-    assert _container_ports(kvroute) == {"http": port}
+    assert _container_ports(kvroute) == {"http": port, "placements": 5570}
 
     # /ready turns 503 while draining; /live never depends on the workers (a broken fleet
     # must not restart the router)

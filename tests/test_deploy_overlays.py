@@ -96,6 +96,7 @@ def router(mode: str) -> tuple[Doc, Doc]:
 
 def test_each_mode_renders_its_objects() -> None:
     common = {"ConfigMap/kvroute-config", "Deployment/vllm", "Service/vllm-workers"}
+    common.add("Service/kvroute-peers")
     proxy = {"Deployment/kvroute", "Service/kvroute", "PodDisruptionBudget/kvroute"}
     want = {
         "proxy": common | proxy | {"ServiceMonitor/kvroute"},
@@ -128,6 +129,31 @@ def test_the_workers_are_looked_up_in_the_namespace_deployed_to(mode: str) -> No
         hosts.append(endpoint["address"]["socket_address"]["address"])
     for host in hosts:
         assert host == f"vllm-workers.{namespace}.svc.cluster.local"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_replicas_find_each_other(mode: str) -> None:
+    """peers_dns names the headless Service kvroute-peers in the namespace deployed to; it
+    selects this mode's router pods (the pickers in gateway mode) on the port they publish
+    placements on, and each pod knows its own address to skip."""
+    (namespace,) = {d["metadata"]["namespace"] for d in render(mode)}
+    config = yaml.safe_load(find(mode, "ConfigMap", "kvroute-config")["data"]["kvroute.yaml"])
+    host, _, port = config["peers_dns"].rpartition(":")
+    assert host == f"kvroute-peers.{namespace}.svc.cluster.local"
+    assert config["peer_publish"] == f"tcp://0.0.0.0:{port}"
+    service = find(mode, "Service", "kvroute-peers")["spec"]
+    assert service["clusterIP"] == "None" and service["ports"][0]["port"] == int(port)
+    deployment, kvroute = router(mode)
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["selector"].items() <= pod_labels.items()
+    assert ports(kvroute)[service["ports"][0]["targetPort"]] == int(port)
+    env = {e["name"]: e for e in kvroute["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    # no other router's pods: the other Deployments' pods are not selected
+    for d in render(mode):
+        if d["kind"] == "Deployment" and d["metadata"]["name"] != ROUTER[mode]:
+            labels = d["spec"]["template"]["metadata"]["labels"]
+            assert not service["selector"].items() <= labels.items()
 
 
 def _unhashed(doc: Doc) -> str:
@@ -368,7 +394,11 @@ def test_gateway_picker_serves_grpc_and_http() -> None:
     command = kvroute["command"]
     assert "--no-proxy" in command
     grpc = int(flag(command, "--ext-proc-port"))
-    assert ports(kvroute) == {"http": int(flag(command, "--port")), "grpc": grpc}
+    assert ports(kvroute) == {
+        "http": int(flag(command, "--port")),
+        "grpc": grpc,
+        "placements": 5570,
+    }
     pool = find("gateway", "InferencePool", "vllm-pool")["spec"]["endpointPickerRef"]
     service = find("gateway", "Service", pool["name"])["spec"]["ports"]
     (grpc_port,) = [p for p in service if p["port"] == pool["port"]["number"]]

@@ -158,3 +158,31 @@ def test_peers_from_the_environment() -> None:
     cfg = from_env(Config(), env).validate()
     assert cfg.peers == ("tcp://kvroute-1:5570", "tcp://kvroute-2:5570")
     assert cfg.peer_publish == "tcp://0.0.0.0:5570"
+
+
+async def test_peers_found_through_dns_skip_this_replica(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`peers_dns` subscribes to every address the name resolves to but this pod's own
+    ($POD_IP): here localhost stands for the headless Service."""
+    a_fleet, b_fleet = fleet_of(w=EVENTS), fleet_of(w=EVENTS)
+    port = free_port()
+    a = PlacementLink(a_fleet, f"tcp://127.0.0.1:{port}", [])
+    monkeypatch.setenv("POD_IP", "127.0.0.1")  # a resolving itself connects to nobody
+    own = PlacementLink(fleet_of(w=EVENTS), None, [], peers_dns=f"localhost:{port}")
+    await own.start()
+    assert f"tcp://127.0.0.1:{port}" not in own._connected
+    await own.stop()
+    monkeypatch.setenv("POD_IP", "10.255.0.9")
+    b = PlacementLink(b_fleet, None, [], peers_dns=f"localhost:{port}", dns_interval_s=0.05)
+    await a.start()
+    await b.start()
+    try:
+        assert f"tcp://127.0.0.1:{port}" in b._connected
+        for _ in range(200):
+            a.sent("w", H)
+            await asyncio.sleep(0.01)
+            if b.counts["applied"]:
+                break
+        assert b_fleet.predictions.find_matches(H)["w"].blocks == len(H)
+    finally:
+        await a.stop()
+        await b.stop()

@@ -126,6 +126,7 @@ class Config:
     # replica's PUB endpoint, and the other replicas' endpoints it subscribes to
     peer_publish: str | None = None  # e.g. tcp://0.0.0.0:5570
     peers: tuple[str, ...] = ()  # e.g. tcp://kvroute-1.kvroute:5570
+    peers_dns: str | None = None  # HOST:PORT of a headless Service of the router pods
     workers_file: str | None = None  # reloaded on change
     workers_dns: str | None = None  # HOST:PORT of a headless Service: one worker per A record
     dns_interval_s: float = 5.0
@@ -216,6 +217,13 @@ class Config:
                     f"{value!r}: use tcp://HOST:PORT (tcp://0.0.0.0:5570 to publish on every "
                     "interface, tcp://kvroute-1.kvroute:5570 for a peer)",
                 )
+        if self.peers_dns is not None:
+            host, _, port = self.peers_dns.rpartition(":")
+            _check(
+                bool(host) and port.isdigit() and 1 <= int(port) <= 65535,
+                "peers_dns",
+                f"{self.peers_dns!r}: use HOST:PORT, e.g. kvroute-peers.default.svc:5570",
+            )
         _check(
             self.peer_publish is None or self.peer_publish not in self.peers,
             "peers",
