@@ -26,7 +26,8 @@ RUN pip install --no-cache-dir --no-index --find-links /wheels "kvroute[grpc]==0
     && rm -rf /wheels
 COPY deploy/image/kvroute.yaml /etc/kvroute/kvroute.yaml
 USER 10001:10001
-EXPOSE 8000
+# HTTP; 5570: placements shared between replicas (--peer-publish), when configured
+EXPOSE 8000 5570
 ENV PYTHONUNBUFFERED=1
 ENTRYPOINT ["kvroute", "serve"]
 CMD ["--config", "/etc/kvroute/kvroute.yaml"]
