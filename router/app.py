@@ -98,8 +98,10 @@ class RouterApp:
                 on_result=lambda result: counter.labels(result).inc(),
                 peers_dns=config.peers_dns,
                 dns_interval_s=config.dns_interval_s,
+                on_peers=self.metrics.peer_replicas.set,
             )
             self.routing.on_sent.append(self.peers.sent)
+            self.routing.before_pick.append(self.peers.drain)
         # other doors served by this process (the Envoy picker): started after the fleet,
         # stopped before it
         self.doors: list[Any] = []

@@ -101,10 +101,16 @@ class RouterMetrics:
         )
         self.peer_placements = Counter(
             "kvroute_peer_placements_total",
-            "Placements received from the other router replicas (--peer): applied as "
-            "predictions, or dropped (unknown_worker: the replicas' worker lists differ; "
-            "malformed)",
+            "Messages received from the other router replicas (--peer): placements applied "
+            "as predictions (applied), in-flight load reports (load), or dropped "
+            "(unknown_worker: the replicas' worker lists differ; malformed)",
             ["result"],
+            registry=r,
+        )
+        self.peer_replicas = Gauge(
+            "kvroute_peer_replicas",
+            "Other router replicas whose in-flight load this one counts (heard from within "
+            "3.5 s); below the replica count - 1 means a peer link is down",
             registry=r,
         )
         self.retries = Counter(
@@ -199,7 +205,7 @@ class _PoolCollector(Collector):
         )
         load = GaugeMetricFamily(
             "kvroute_inflight_prefill_tokens",
-            "Uncached prompt tokens awaiting first token",
+            "Uncached prompt tokens awaiting first token (this replica's requests)",
             labels=["worker"],
         )
         for f, report in _endpoints(pool):
@@ -211,7 +217,7 @@ class _PoolCollector(Collector):
             available.add_metric([name], 1.0 if f.state.available else 0.0)
             cached.add_metric([name], float(pool.fleet.index.entries_of(name)))
             evicted.add_metric([name, "cap"], float(pool.fleet.index.evicted_at_cap(name)))
-            load.add_metric([name], float(pool.fleet.load.view(name).prefill_tokens))
+            load.add_metric([name], float(pool.fleet.load.local(name).prefill_tokens))
             if f.ingest is None:
                 continue
             c = f.ingest.counters

@@ -1,4 +1,4 @@
-"""Placements shared between router replicas, before the engines' KV events tell.
+"""Placements and in-flight load shared between router replicas, before the engines tell.
 
 Two replicas behind one load balancer each see every worker's KV events, but a new prefix
 that reaches both within a prefill (~100 ms for 2k tokens) is placed by each on its own
@@ -9,12 +9,21 @@ socket (`peer_publish`), and subscribes to the other replicas' (`peers`): what a
 becomes a short-lived prediction here, exactly as if this replica had sent it (approximate
 entries for an endpoint without events), until the engine's own events arrive.
 
+Each replica also publishes its own in-flight load on a worker (requests, uncached prompt
+tokens before the first token, decode blocks) whenever it changes, coalesced per event-loop
+turn, and all of it every `HEARTBEAT_S`: a replica counts its peers' requests as if they were
+its own, so two replicas do not both send a burst to the worker that looks idle to each (a
+worker's scraped /metrics are up to a second old). The latest word of a replica replaces its
+last one, so a lost message heals at the next; a replica silent for `SILENT_S` no longer counts.
+
 On Kubernetes the replicas find each other through a headless Service of the router pods
 (`peers_dns: HOST:PORT`), re-resolved every `dns_interval_s`; a replica skips its own address
 (`POD_IP` from the downward API, else what its hostname resolves to).
 
 Wire: two frames per placement, the endpoint name (UTF-8; replicas configured alike name
-endpoints alike) and the hashes as little-endian uint64. A placement naming an endpoint this
+endpoints alike) and the hashes as little-endian uint64; four per load report: b"load", the
+sending replica's random id, the endpoint name, and three little-endian int64 (requests,
+prefill tokens, decode blocks). A message naming an endpoint this
 replica does not know is counted and dropped (its worker list differs: the fix is to give
 every replica the same workers), and so is a malformed one; nothing a peer sends can stop
 the receive loop. PUB drops when a peer is slow (high-water mark): placements are hints.
@@ -27,21 +36,28 @@ import contextlib
 import logging
 import os
 import socket
+import struct
 import sys
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import zmq
 import zmq.asyncio
 
 from router.core.fleet import EVENTS, FleetState
+from router.core.load import PeerLoad
 
 log = logging.getLogger("kvroute.peers")
 
 HWM = 10_000  # placements queued per peer before PUB drops (a slow peer loses hints only)
 LOG_EVERY_S = 60.0  # a kind of bad placement is logged at most this often
 _BIG_ENDIAN = sys.byteorder == "big"
+LOAD = b"load"
+_LOAD = struct.Struct("<qqq")
+HEARTBEAT_S = 1.0  # every worker's load republished this often (also: "this replica is alive")
+SILENT_S = 3.5  # a replica not heard from this long: its load no longer counts
+DRAIN_MAX = 10_000  # messages one drain applies at most (a pick must not wait on a flood)
 
 
 async def _own_addresses() -> set[str]:
@@ -70,6 +86,21 @@ def decode(frames: Sequence[bytes]) -> tuple[str, array[int]]:
     return frames[0].decode(), hashes
 
 
+def encode_load(replica: bytes, worker: str, load: PeerLoad) -> list[bytes]:
+    packed = _LOAD.pack(load.requests, load.prefill_tokens, load.decode_blocks)
+    return [LOAD, replica, worker.encode(), packed]
+
+
+def decode_load(frames: Sequence[bytes]) -> tuple[str, str, PeerLoad]:
+    """(replica id, endpoint, load) of a load report; ValueError if the frames are not one."""
+    if len(frames) != 4 or frames[0] != LOAD or len(frames[3]) != _LOAD.size:
+        raise ValueError("a load report is 4 frames (b'load', replica, endpoint, 3 x int64)")
+    requests, prefill, blocks = _LOAD.unpack(frames[3])
+    if min(requests, prefill, blocks) < 0:
+        raise ValueError(f"negative load {requests, prefill, blocks}")
+    return frames[1].hex(), frames[2].decode(), PeerLoad(requests, prefill, blocks)
+
+
 class PlacementLink:
     """This replica's PUB socket and its SUB to the peers; started and stopped by the app."""
 
@@ -82,6 +113,7 @@ class PlacementLink:
         ctx: zmq.asyncio.Context | None = None,
         peers_dns: str | None = None,
         dns_interval_s: float = 5.0,
+        on_peers: Callable[[int], None] | None = None,
     ) -> None:
         self.fleet = fleet
         self.publish_endpoint = publish
@@ -95,8 +127,14 @@ class PlacementLink:
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self._pub: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
-        self.counts = {"applied": 0, "unknown_worker": 0, "malformed": 0}
+        self.counts = {"applied": 0, "load": 0, "unknown_worker": 0, "malformed": 0}
         self._warned: dict[str, float] = {}  # result -> when it was last logged
+        self.replica = os.urandom(8)  # names this process's load reports (a restart: new id)
+        self.heard: dict[str, float] = {}  # peer replica id -> when it last reported load
+        self._on_peers = on_peers or (lambda _: None)
+        self._dirty: set[str] = set()  # endpoints whose local load changed since the flush
+        self._tick_task: asyncio.Task[None] | None = None
+        self._sub_now: zmq.Socket[bytes] | None = None
 
     async def start(self) -> None:
         if self.publish_endpoint:
@@ -104,7 +142,8 @@ class PlacementLink:
             self._pub.setsockopt(zmq.SNDHWM, HWM)
             self._pub.setsockopt(zmq.LINGER, 0)
             self._pub.bind(self.publish_endpoint)
-            log.info("publishing placements on %s", self.publish_endpoint)
+            self.fleet.load.on_change = self.changed
+            log.info("publishing placements and load on %s", self.publish_endpoint)
         if self.peers or self.peers_dns:
             self._sub = self._ctx.socket(zmq.SUB)
             self._sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -116,18 +155,23 @@ class PlacementLink:
                 await self.resolve()
                 self._dns_task = asyncio.create_task(self._watch_dns())
             self._task = asyncio.create_task(self._receive(self._sub))
+            # the same socket read synchronously (drain), next to the receive task
+            self._sub_now = zmq.Socket.shadow(self._sub.underlying)
+        self._tick_task = asyncio.create_task(self._tick())
 
     async def stop(self) -> None:
-        for task in (self._dns_task, self._task):
+        if self.fleet.load.on_change == self.changed:
+            self.fleet.load.on_change = None
+        for task in (self._dns_task, self._task, self._tick_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        self._dns_task = self._task = None
+        self._dns_task = self._task = self._tick_task = None
         for sock in (self._pub, self._sub):
             if sock is not None:
                 sock.close(linger=0)
-        self._pub = self._sub = None
+        self._pub = self._sub = self._sub_now = None
 
     def _connect(self, wanted: set[str]) -> None:
         assert self._sub is not None
@@ -167,12 +211,68 @@ class PlacementLink:
         with contextlib.suppress(zmq.Again):
             self._pub.send_multipart(encode(worker, hashes), flags=zmq.NOBLOCK)
 
+    def changed(self, worker: str) -> None:
+        """This replica's load on `worker` changed: publish it at the end of this turn of
+        the event loop (a burst of picks is one report per endpoint)."""
+        if not self._dirty:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._dirty.add(worker)
+
+    def _flush(self) -> None:
+        dirty, self._dirty = self._dirty, set()
+        self._publish_load(dirty)
+
+    def _publish_load(self, workers: Iterable[str]) -> None:
+        if self._pub is None:
+            return
+        for worker in workers:
+            frames = encode_load(self.replica, worker, self.fleet.load.local(worker))
+            with contextlib.suppress(zmq.Again):
+                self._pub.send_multipart(frames, flags=zmq.NOBLOCK)
+
+    async def _tick(self) -> None:
+        while True:
+            self._publish_load(list(self.fleet.workers))
+            self.expire(time.monotonic())
+            await asyncio.sleep(HEARTBEAT_S)
+
+    def expire(self, now: float) -> None:
+        """Stop counting the load of replicas silent for SILENT_S."""
+        for replica, at in list(self.heard.items()):
+            if now - at >= SILENT_S:
+                del self.heard[replica]
+                self.fleet.load.forget_peer(replica)
+                log.warning(
+                    "replica %s silent for %.1f s: its load no longer counts", replica, now - at
+                )
+        self._on_peers(len(self.heard))
+
     async def _receive(self, sub: zmq.asyncio.Socket) -> None:
         while True:
             self.apply(await sub.recv_multipart())
 
-    def apply(self, frames: Sequence[bytes]) -> str:
-        """Record one peer placement as a prediction here; returns the result counted."""
+    def drain(self) -> int:
+        """Apply every message already delivered, now: called just before each pick. The
+        receive task runs only between other tasks, and a burst of requests holds the event
+        loop ~10 ms; measured on shared-system, two replicas placing one new prefix 8 ms
+        apart chose two workers because the second had not yet read the first's placement."""
+        if self._sub_now is None:
+            return 0
+        n = 0
+        while n < DRAIN_MAX:
+            try:
+                frames = self._sub_now.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            self.apply(frames)
+            n += 1
+        return n
+
+    def apply(self, frames: Sequence[bytes], now: float | None = None) -> str:
+        """Record one message from a peer: a placement becomes a prediction here, a load
+        report replaces that replica's last; returns the result counted."""
+        if len(frames) == 4 and frames[0] == LOAD:
+            return self._apply_load(frames, time.monotonic() if now is None else now)
         try:
             worker, hashes = decode(frames)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -187,6 +287,25 @@ class PlacementLink:
         ttl = self.fleet.predictions if state.mode == EVENTS else self.fleet.approx
         ttl.record(worker, hashes)  # type: ignore[arg-type]
         return self._count("applied", None)
+
+    def _apply_load(self, frames: Sequence[bytes], now: float) -> str:
+        try:
+            replica, worker, load = decode_load(frames)
+        except (ValueError, UnicodeDecodeError, struct.error) as exc:
+            return self._count("malformed", f"malformed load report from a peer dropped: {exc}")
+        if worker not in self.fleet.workers:
+            return self._count(
+                "unknown_worker",
+                f"a peer reported load on {worker!r}, which this replica does not route to: "
+                "give every replica the same workers",
+            )
+        if replica not in self.heard:
+            log.info("replica %s reports its load; counted with this replica's", replica)
+            self.heard[replica] = now
+            self._on_peers(len(self.heard))
+        self.heard[replica] = now
+        self.fleet.load.peer(replica, worker, load)
+        return self._count("load", None)
 
     def _count(self, result: str, warning: str | None) -> str:
         self.counts[result] += 1

@@ -94,6 +94,8 @@ class DecisionService:
         self._remote_cache = TokenCache()
         # told (endpoint, block hashes) of every request sent: the replicas' placement link
         self.on_sent: list[Callable[[str, Sequence[int]], None]] = []
+        # called just before each pick: the placement link applies what the peers sent
+        self.before_pick: list[Callable[[], object]] = []
 
     # ---- the decision ----------------------------------------------------------------
 
@@ -128,6 +130,8 @@ class DecisionService:
             n=rin.n,
             dry_run=dry_run,
         )
+        for catch_up in self.before_pick:
+            catch_up()
         try:
             decision = self.picker.pick(self.profiles[profile or self.door_profile], req, tokens)
         except Overloaded:

@@ -1,16 +1,19 @@
-"""Router replicas share placements (router/peers.py): over real ZMQ on loopback, what one
-replica sends becomes a prediction on the other before any KV event; bad placements are
-counted and dropped; the configuration names the fix."""
+"""Router replicas share placements and in-flight load (router/peers.py): over real ZMQ on
+loopback, what one replica sends becomes a prediction on the other before any KV event, and
+its in-flight requests count in the other's load; bad messages are counted and dropped; the
+configuration names the fix."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engines.sim.config import SimConfig
 from engines.sim.fleet import run_fleet
@@ -20,7 +23,8 @@ from router.app import RouterApp
 from router.core.config import Config, WorkerConfig, from_env, from_mapping
 from router.core.errors import ConfigError
 from router.core.fleet import APPROX, EVENTS, FleetState, WorkerState
-from router.peers import PlacementLink, decode, encode
+from router.core.load import LoadTracker, PeerLoad
+from router.peers import SILENT_S, PlacementLink, decode, decode_load, encode, encode_load
 from router.procs import free_port, serve_in_process
 from router.tokenize import PACKAGED_TOKENIZER
 
@@ -58,6 +62,96 @@ def test_a_placement_becomes_a_prediction_or_an_approximate_entry() -> None:
     assert "gone:1" not in fleet.predictions.find_matches(H)
 
 
+def test_load_wire_round_trip_and_malformed_reports() -> None:
+    frames = encode_load(b"\x01" * 8, "10.0.0.1:8000", PeerLoad(3, 200, 17))
+    assert decode_load(frames) == ("01" * 8, "10.0.0.1:8000", PeerLoad(3, 200, 17))
+    bad = encode_load(b"r", "w", PeerLoad(1, 1, 1))
+    for frames in (bad[:3], [b"lode", *bad[1:]], [*bad[:3], b"\0" * 23]):
+        with pytest.raises(ValueError):
+            decode_load(frames)
+    with pytest.raises(ValueError, match="negative"):
+        decode_load(encode_load(b"r", "w", PeerLoad(-1, 0, 0)))
+
+
+def test_peer_load_counts_once_next_to_the_scrape() -> None:
+    """A peer's requests count as this replica's own, and the engine's scraped count is not
+    added on top of them (it already includes them)."""
+    load = LoadTracker()
+    mine = load.start("w", uncached_tokens=100, blocks=4)
+    load.peer("b", "w", PeerLoad(3, 300, 8))
+    assert (load.view("w").requests, load.view("w").prefill_tokens) == (4, 400)
+    assert load.view("w").decode_blocks == 8
+    load.scraped("w", running=4, waiting=1, kv_usage=0.5, capacity_blocks=100)
+    assert load.view("w").requests == 5  # 1 mine + 3 b's + 1 from nobody we know
+    assert load.local("w") == PeerLoad(1, 100, 0)  # what this replica tells its peers
+    load.peer("b", "w", PeerLoad(0, 0, 0))
+    assert load.view("w").requests == 1 + 1
+    load.peer("b", "w", PeerLoad(2, 0, 0))
+    load.forget_peer("b")
+    load.finish(mine)
+    assert load.view("w").requests == 1  # the scrape's stranger only
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("start"), st.sampled_from("wx"), st.integers(0, 500)),
+            st.tuples(st.just("finish"), st.integers(0, 30), st.just(0)),
+            st.tuples(st.just("first"), st.integers(0, 30), st.just(0)),
+            st.tuples(st.sampled_from(["pa", "pb"]), st.sampled_from("wx"), st.integers(0, 9)),
+            st.tuples(st.just("forget"), st.sampled_from(["pa", "pb"]), st.just(0)),
+        ),
+        max_size=60,
+    )
+)
+def test_load_against_a_model(ops: list[tuple[str, Any, int]]) -> None:
+    """Requests in view = this replica's unfinished tickets + each live peer's latest report,
+    and what a replica publishes is its own count only."""
+    load = LoadTracker()
+    changed: list[str] = []
+    load.on_change = changed.append
+    tickets: list[Any] = []
+    peers: dict[tuple[str, str], int] = {}
+    for op, arg, n in ops:
+        if op == "start":
+            tickets.append(load.start(arg, n, 2))
+            assert changed[-1] == arg
+        elif op in ("finish", "first") and tickets:
+            t = tickets[arg % len(tickets)]
+            (load.finish if op == "finish" else load.first_token)(t)
+        elif op in ("pa", "pb"):
+            load.peer(op, arg, PeerLoad(n, n * 10, n))
+            peers[(op, arg)] = n
+        elif op == "forget":
+            load.forget_peer(arg)
+            peers = {k: v for k, v in peers.items() if k[0] != arg}
+    for w in "wx":
+        own = sum(1 for t in tickets if t.worker == w and not t.done)
+        theirs = sum(v for (_, pw), v in peers.items() if pw == w)
+        assert load.local(w).requests == own
+        assert load.view(w).requests == own + theirs
+        assert load.local(w).prefill_tokens == sum(
+            t.prefill_tokens
+            for t in tickets
+            if t.worker == w and not (t.done or t.first_token_seen)
+        )
+
+
+def test_a_load_report_is_counted_and_a_silent_replica_forgotten() -> None:
+    fleet = fleet_of(w=EVENTS)
+    heard: list[int] = []
+    link = PlacementLink(fleet, None, [], on_peers=heard.append)
+    assert link.apply(encode_load(b"\xaa" * 8, "w", PeerLoad(5, 0, 0)), now=100.0) == "load"
+    assert fleet.load.view("w").requests == 5 and heard == [1]
+    assert link.apply(encode_load(b"\xaa" * 8, "gone:1", PeerLoad(1, 0, 0))) == "unknown_worker"
+    assert link.apply([b"load", b"x", b"w", b"short"]) == "malformed"
+    link.expire(100.0 + SILENT_S - 0.1)
+    assert fleet.load.view("w").requests == 5
+    link.expire(100.0 + SILENT_S)
+    assert fleet.load.view("w").requests == 0 and heard[-1] == 0
+
+
 async def test_two_links_over_zmq() -> None:
     a_fleet, b_fleet = fleet_of(w=EVENTS), fleet_of(w=EVENTS)
     a_pub, b_pub = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
@@ -74,9 +168,43 @@ async def test_two_links_over_zmq() -> None:
                 break
         assert b_fleet.predictions.find_matches(H)["w"].blocks == len(H)
         assert a.counts["applied"] == 0  # nothing came back: b sent nothing
+        # a's in-flight request counts on b at once (not at the next heartbeat), and its end
+        ticket = a_fleet.load.start("w", uncached_tokens=500, blocks=4)
+        await until(lambda: b_fleet.load.view("w").prefill_tokens == 500, within_s=0.5)
+        assert b_fleet.load.view("w").requests == 1 and a_fleet.load.view("w").requests == 1
+        a_fleet.load.finish(ticket)
+        await until(lambda: b_fleet.load.view("w").requests == 0, within_s=0.5)
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_drain_applies_what_arrived_before_the_receive_task_runs() -> None:
+    """The pick calls drain: a placement already in the socket counts even while the event
+    loop has not yet run the receive task (a burst of requests holds it for milliseconds)."""
+    a_fleet, b_fleet = fleet_of(w=EVENTS), fleet_of(w=EVENTS)
+    a_pub = f"tcp://127.0.0.1:{free_port()}"
+    a, b = PlacementLink(a_fleet, a_pub, []), PlacementLink(b_fleet, None, [a_pub])
+    await a.start()
+    await b.start()
+    try:
+        await until(lambda: b.counts["load"] > 0, within_s=5)  # a's heartbeat: joined
+        assert b._sub_now is not None
+        a.sent("w", H)
+        assert b._sub_now.poll(2000)  # delivered; the loop is blocked, so not yet applied
+        assert "w" not in b_fleet.predictions.find_matches(H)
+        assert b.drain() == 1 and b.drain() == 0
+        assert b_fleet.predictions.find_matches(H)["w"].blocks == len(H)
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def until(check: Callable[[], bool], within_s: float) -> None:
+    deadline = asyncio.get_running_loop().time() + within_s
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "not within the time"
+        await asyncio.sleep(0.005)
 
 
 @contextlib.asynccontextmanager
@@ -130,6 +258,8 @@ async def test_replicas_see_each_others_placements_before_the_events() -> None:
             assert again == served
         scrape = (await cb.get("/metrics")).text
         assert 'kvroute_peer_placements_total{result="applied"}' in scrape
+        assert 'kvroute_peer_placements_total{result="load"}' in scrape
+        assert "kvroute_peer_replicas 1.0" in scrape  # b counts a's in-flight load
 
 
 @pytest.mark.parametrize(

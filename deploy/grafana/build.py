@@ -238,8 +238,15 @@ def index_and_failures() -> list[Panel]:
             "Peer placements",
             [q(rate("kvroute_peer_placements_total", "result"))],
             "ops",
-            "Placements received from the other replicas (--peer); unknown_worker: the "
-            "replicas' worker lists differ",
+            "Placements and load reports received from the other replicas (--peer); "
+            "unknown_worker: the replicas' worker lists differ",
+        ),
+        series(
+            "Peer replicas heard",
+            [q(f"kvroute_peer_replicas{{{SEL}}}", "{{instance}}")],
+            "short",
+            "Other replicas whose in-flight load each replica counts: below replicas - 1, "
+            "a peer link is down (check --peer / --peers-dns and port 5570)",
         ),
         series(
             "Shed (429)",

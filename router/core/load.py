@@ -1,9 +1,11 @@
 """In-flight load per worker: what this router sent (counted at the pick, so a burst cannot
-all land on one worker before the first completes), blended with what the workers' /metrics
-say (so several router replicas see each other's traffic)."""
+all land on one worker before the first completes), what the other router replicas say they
+sent (the placement link, within a millisecond), and what the workers' /metrics say beyond
+both (traffic from anywhere else; a scrape is up to a second old)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -32,11 +34,21 @@ class _Local:
     decode_blocks: int = 0
 
 
+@dataclass(frozen=True)
+class PeerLoad:
+    """One other replica's own in-flight requests on one worker, as it last published them."""
+
+    requests: int
+    prefill_tokens: int
+    decode_blocks: int
+
+
 @dataclass
 class _Scraped:
-    """What the engine reported beyond this router's own requests at scrape time: other
-    router replicas' traffic. (Comparing the raw gauges with live local counts would let a
-    one-second-old scrape outweigh requests that already finished.)"""
+    """What the engine reported beyond this router's and its known peers' requests at
+    scrape time: traffic no replica told us about. (Comparing the raw gauges with live
+    local counts would let a one-second-old scrape outweigh requests that already
+    finished.)"""
 
     others_requests: float = 0.0
     others_blocks: float = 0.0
@@ -47,12 +59,17 @@ class _Scraped:
 class LoadTracker:
     _local: dict[str, _Local] = field(default_factory=dict)
     _scraped: dict[str, _Scraped] = field(default_factory=dict)
+    _peers: dict[str, dict[str, PeerLoad]] = field(default_factory=dict)  # worker -> replica
+    # told the worker whose local load changed (the placement link publishes it)
+    on_change: Callable[[str], None] | None = None
 
     def start(self, worker: str, uncached_tokens: int, blocks: int) -> Ticket:
         """Count a request at the moment it is routed."""
         local = self._local.setdefault(worker, _Local())
         local.requests += 1
         local.prefill_tokens += uncached_tokens
+        if self.on_change is not None:
+            self.on_change(worker)
         return Ticket(worker, uncached_tokens, blocks)
 
     def first_token(self, t: Ticket) -> None:
@@ -62,6 +79,8 @@ class LoadTracker:
         local = self._local[t.worker]
         local.prefill_tokens -= t.prefill_tokens
         local.decode_blocks += t.blocks
+        if self.on_change is not None:
+            self.on_change(t.worker)
 
     def finish(self, t: Ticket) -> None:
         if t.done:
@@ -73,6 +92,34 @@ class LoadTracker:
             local.prefill_tokens -= t.prefill_tokens
         local.requests -= 1
         t.done = True
+        if self.on_change is not None:
+            self.on_change(t.worker)
+
+    def local(self, worker: str) -> PeerLoad:
+        """This replica's own in-flight load on `worker`: what it tells its peers."""
+        local = self._local.get(worker, _Local())
+        return PeerLoad(local.requests, local.prefill_tokens, local.decode_blocks)
+
+    def peer(self, replica: str, worker: str, load: PeerLoad) -> None:
+        """Another replica's own load on `worker` (its latest word replaces the last)."""
+        by_replica = self._peers.setdefault(worker, {})
+        if load.requests or load.prefill_tokens or load.decode_blocks:
+            by_replica[replica] = load
+        else:
+            by_replica.pop(replica, None)
+
+    def forget_peer(self, replica: str) -> None:
+        """A replica went silent (stopped, or the link broke): its load no longer counts."""
+        for by_replica in self._peers.values():
+            by_replica.pop(replica, None)
+
+    def _peer_sum(self, worker: str) -> _Local:
+        out = _Local()
+        for p in self._peers.get(worker, {}).values():
+            out.requests += p.requests
+            out.prefill_tokens += p.prefill_tokens
+            out.decode_blocks += p.decode_blocks
+        return out
 
     def scraped(
         self,
@@ -83,14 +130,22 @@ class LoadTracker:
         capacity_blocks: int | None,
     ) -> None:
         local = self._local.get(worker, _Local())
+        known = local.requests + self._peer_sum(worker).requests
         engine_requests = running + waiting
-        others = max(0.0, engine_requests - local.requests)
+        others = max(0.0, engine_requests - known)
         engine_blocks = (kv_usage or 0.0) * (capacity_blocks or 0)
         share = others / engine_requests if engine_requests else 0.0
         self._scraped[worker] = _Scraped(others, engine_blocks * share, kv_usage)
 
     def view(self, worker: str) -> LoadView:
         local = self._local.get(worker, _Local())
+        if self._peers.get(worker):
+            peers = self._peer_sum(worker)
+            local = _Local(
+                local.requests + peers.requests,
+                local.prefill_tokens + peers.prefill_tokens,
+                local.decode_blocks + peers.decode_blocks,
+            )
         s = self._scraped.get(worker)
         if s is None:
             return LoadView(local.requests, local.prefill_tokens, local.decode_blocks)
@@ -104,3 +159,4 @@ class LoadTracker:
     def forget(self, worker: str) -> None:
         self._local.pop(worker, None)
         self._scraped.pop(worker, None)
+        self._peers.pop(worker, None)
