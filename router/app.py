@@ -25,6 +25,7 @@ from router.forward import Forwarder
 from router.metrics import RouterMetrics
 from router.pd.door import PDDoor
 from router.peers import PlacementLink
+from router.processes import ProcessRole
 from router.proxy import ProxyDoor
 from router.routing import DecisionService
 from router.sources import WorkerSources
@@ -47,8 +48,10 @@ class RouterApp:
         tokenizer: LocalTokenizer | None = None,
         client: httpx.AsyncClient | None = None,
         tracer_provider: Any = None,
+        role: ProcessRole | None = None,
     ) -> None:
         self.config = config.validate()
+        self.role = role  # one of `kvroute serve --processes N` (router/processes.py)
         self.clock = clock or MonotonicClock()
         self.fleet = FleetState(
             self.clock,
@@ -65,7 +68,7 @@ class RouterApp:
         )
         self.pool = WorkerPool(config, self.fleet, self.client, self.clock, self.tokenizers)
         self.sources = WorkerSources(config, self.pool)
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(str(role.metrics_dir) if role is not None else None)
         self.metrics.attach(self.pool)
         rng = random.Random(config.seed)
         profiles = {name: config.profile(name, rng) for name in ("default", "decode", "prefill")}
@@ -86,15 +89,18 @@ class RouterApp:
         )
         self.pd = PDDoor(self.routing, self.upstream, forwarder, config, self.metrics.registry)
         self.proxy.pd = self.pd
-        self.control = Control(self.routing, self.sources, self.metrics)
+        self.control = Control(self.routing, self.sources, self.metrics, role)
         self.control.pd = self.pd
         self.peers: PlacementLink | None = None
-        if config.peer_publish or config.peers or config.peers_dns:
+        publish, peers = config.peer_publish, list(config.peers)
+        if role is not None:  # the sibling processes are this replica's peers
+            publish, peers = role.link(role.index), [role.link(i) for i in role.siblings]
+        if publish or peers or config.peers_dns:
             counter = self.metrics.peer_placements
             self.peers = PlacementLink(
                 self.fleet,
-                config.peer_publish,
-                config.peers,
+                publish,
+                peers,
                 on_result=lambda result: counter.labels(result).inc(),
                 peers_dns=config.peers_dns,
                 dns_interval_s=config.dns_interval_s,

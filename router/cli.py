@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     from router.logsetup import configure
 
     configure(args.log_level, getattr(args, "log_format", None) or _env_log_format())
+    args.argv = argv  # `serve --processes N` starts its children with these same arguments
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()

@@ -13,6 +13,10 @@ GET|POST /debug/route                   how a prompt would be routed, from the l
 
 /admin and /debug need the admin token (`Authorization: Bearer T`); without a token
 configured they answer 404 unless --admin-insecure is given.
+
+With `--processes N` an admin change reaches one process; it applies it and passes it on to
+the others over their private unix sockets (router/processes.py) before answering, so every
+process routes alike. A process that cannot take it is named in a 502 (retry the call).
 """
 
 from __future__ import annotations
@@ -22,11 +26,19 @@ import logging
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
+import httpx
 import msgspec
 
 from router.asgi import Receive, Scope, Send, header, read_body, send_bytes, send_json
 from router.core.decision import Decision
-from router.core.errors import BadRequest, ConfigError, Forbidden, MethodNotAllowed, NotFound
+from router.core.errors import (
+    BadRequest,
+    ConfigError,
+    Forbidden,
+    MethodNotAllowed,
+    NotFound,
+    UpstreamError,
+)
 from router.metrics import RouterMetrics
 from router.openai_req import parse
 from router.routing import DecisionService
@@ -35,6 +47,10 @@ from router.verdicts import worker_reports
 
 if TYPE_CHECKING:
     from router.pd.door import PDDoor
+    from router.processes import ProcessRole
+
+FANOUT = b"x-kvroute-fanout"  # an admin change passed on by a sibling process
+FANOUT_TIMEOUT_S = 10.0
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -54,7 +70,9 @@ class Control:
         svc: DecisionService,
         sources: WorkerSources,
         metrics: RouterMetrics,
+        role: ProcessRole | None = None,
     ) -> None:
+        self.role = role
         self.svc = svc
         self.sources = sources
         self.pool = sources.pool
@@ -70,7 +88,7 @@ class Control:
             raise NotFound("/metrics is off (--no-metrics)")
         if path.startswith("/admin/workers/"):
             self._authorize(scope)
-            await self._drain(path, method, send)
+            await self._drain(path, method, send, scope)
         elif path == "/health":
             status, doc = self.health()
             await send_json(send, status, doc)
@@ -85,7 +103,9 @@ class Control:
         elif path == "/admin/workers":
             self._authorize(scope)
             if method == "POST":
-                await self._reload_workers(await read_body(receive, 1 << 20))
+                body = await read_body(receive, 1 << 20)
+                await self._reload_workers(body)
+                await self._fan_out(scope, body)
             elif method != "GET":
                 raise MethodNotAllowed("/admin/workers takes GET or POST")
             await send_json(send, 200, {"workers": self.worker_list()})
@@ -107,7 +127,40 @@ class Control:
         if not hmac.compare_digest(given, f"Bearer {token}".encode()):
             raise Forbidden("admin endpoint: send 'Authorization: Bearer <admin_token>'")
 
-    async def _drain(self, path: str, method: str, send: Send) -> None:
+    async def _fan_out(self, scope: Scope, body: bytes) -> None:
+        """Pass an admin change this process applied on to its sibling processes."""
+        if self.role is None or self.role.count < 2:
+            return
+        server = scope.get("server")
+        if header(scope, FANOUT) and server is not None and server[1] is None:
+            return  # came from a sibling over its unix socket: already passed on
+        headers = {FANOUT.decode(): "1", "content-type": "application/json"}
+        auth = header(scope, b"authorization")
+        if auth:
+            headers["authorization"] = auth.decode()
+        scheme = "https" if self.config.tls_cert else "http"
+        failed = []
+        for i in self.role.siblings:
+            transport = httpx.AsyncHTTPTransport(uds=str(self.role.admin_socket(i)))
+            # our own sibling behind a 0600 socket: its certificate names the public host
+            async with httpx.AsyncClient(
+                transport=transport, timeout=FANOUT_TIMEOUT_S, verify=False
+            ) as client:
+                try:
+                    r = await client.post(
+                        f"{scheme}://kvroute{scope['path']}", content=body, headers=headers
+                    )
+                    if r.status_code != 200:
+                        failed.append(f"process {i + 1}: {r.status_code} {r.text[:200]}")
+                except httpx.HTTPError as exc:
+                    failed.append(f"process {i + 1}: {exc!r}")
+        if failed:
+            raise UpstreamError(
+                f"applied by process {self.role.index + 1} of {self.role.count}, but not by "
+                f"{'; '.join(failed)}; send the call again",
+            )
+
+    async def _drain(self, path: str, method: str, send: Send, scope: Scope) -> None:
         """POST /admin/workers/NAME/drain | /undrain (NAME: host:port as listed)."""
         name, _, action = path.removeprefix("/admin/workers/").rpartition("/")
         if action not in ("drain", "undrain") or not name:
@@ -119,6 +172,7 @@ class Control:
             known = ", ".join(sorted(self.pool.handles)) or "none"
             raise NotFound(f"unknown worker {name!r}; workers: {known}", param="worker")
         h.set_draining(action == "drain")
+        await self._fan_out(scope, b"")
         inflight = sum(self.svc.fleet.load.view(s.name).requests for s in h.states)
         log.warning("worker %s %sed by the admin API (%d in flight)", name, action, inflight)
         await send_json(send, 200, {"worker": name, "draining": h.draining, "in_flight": inflight})
@@ -149,6 +203,8 @@ class Control:
         }
         if pd is not None:
             doc["pd"] = pd
+        if self.role is not None:  # which of the --processes answered
+            doc["process"] = {"index": self.role.index + 1, "of": self.role.count}
         return code, doc
 
     def worker_list(self) -> list[dict[str, Any]]:

@@ -10,7 +10,9 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -29,8 +31,14 @@ def version() -> str:
 
 
 class RouterMetrics:
-    def __init__(self) -> None:
+    """`multiprocess_dir`: one of `kvroute serve --processes N` (router/processes.py): the
+    counters, histograms and in-flight gauges of every process are summed at scrape from
+    their files there; the fleet's gauges and event counters (the same in each process,
+    which all consume every worker's events) are this process's."""
+
+    def __init__(self, multiprocess_dir: str | None = None) -> None:
         self.registry = CollectorRegistry()
+        self.multiprocess_dir = multiprocess_dir
         r = self.registry
         self.requests = Counter(
             "kvroute_requests_total",
@@ -60,7 +68,13 @@ class RouterMetrics:
             ["worker", "cause"],
             registry=r,
         )
-        self.build_info = Gauge("kvroute_build_info", "kvroute's version", ["version"], registry=r)
+        self.build_info = Gauge(
+            "kvroute_build_info",
+            "kvroute's version",
+            ["version"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self.build_info.labels(version()).set(1)
         self.decision_seconds = Histogram(
             "kvroute_route_decision_seconds",
@@ -110,8 +124,10 @@ class RouterMetrics:
         self.peer_replicas = Gauge(
             "kvroute_peer_replicas",
             "Other router replicas whose in-flight load this one counts (heard from within "
-            "3.5 s); below the replica count - 1 means a peer link is down",
+            "3.5 s); below the replica count - 1 means a peer link is down (with "
+            "--processes: the fewest any process hears)",
             registry=r,
+            multiprocess_mode="livemin",
         )
         self.retries = Counter(
             "kvroute_retries_total",
@@ -125,6 +141,7 @@ class RouterMetrics:
             "Requests this router has in flight",
             ["worker"],
             registry=r,
+            multiprocess_mode="livesum",
         )
 
     def child(self, metric: Any, *labels: str) -> Any:
@@ -139,15 +156,35 @@ class RouterMetrics:
         self.child(self.requests, model, worker, str(status), outcome).inc()
 
     def attach(self, pool: WorkerPool) -> None:
-        self.registry.register(_PoolCollector(lambda: pool))
+        self.registry.register(_PoolCollector(lambda: pool, self.multiprocess_dir is not None))
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        scrape = CollectorRegistry()
+        MultiProcessCollector(scrape, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]
+        scrape.register(_FleetViews(self.registry))
+        return generate_latest(scrape)
+
+
+class _FleetViews(Collector):
+    """The collectors of a registry that read state at scrape time (not counters kept in
+    this process): with --processes the same in every process, so this one answers."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        # prometheus_client keeps no public list of a registry's collectors
+        for c in list(self._registry._collector_to_names):
+            if not isinstance(c, MetricWrapperBase):
+                yield from c.collect()
 
 
 class _PoolCollector(Collector):
-    def __init__(self, pool: Callable[[], WorkerPool]) -> None:
+    def __init__(self, pool: Callable[[], WorkerPool], all_processes: bool = False) -> None:
         self._pool = pool
+        self._all_processes = all_processes  # --processes: the sibling processes' load too
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         pool = self._pool()
@@ -205,7 +242,8 @@ class _PoolCollector(Collector):
         )
         load = GaugeMetricFamily(
             "kvroute_inflight_prefill_tokens",
-            "Uncached prompt tokens awaiting first token (this replica's requests)",
+            "Uncached prompt tokens awaiting first token (this replica's requests, all its "
+            "processes')",
             labels=["worker"],
         )
         for f, report in _endpoints(pool):
@@ -217,7 +255,8 @@ class _PoolCollector(Collector):
             available.add_metric([name], 1.0 if f.state.available else 0.0)
             cached.add_metric([name], float(pool.fleet.index.entries_of(name)))
             evicted.add_metric([name, "cap"], float(pool.fleet.index.evicted_at_cap(name)))
-            load.add_metric([name], float(pool.fleet.load.local(name).prefill_tokens))
+            mine = pool.fleet.load.known if self._all_processes else pool.fleet.load.local
+            load.add_metric([name], float(mine(name).prefill_tokens))
             if f.ingest is None:
                 continue
             c = f.ingest.counters

@@ -247,6 +247,15 @@ def _operator_args(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("serving and operations")
     o.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     o.add_argument("--port", type=int, help="port to listen on (default 8000)")
+    o.add_argument(
+        "--processes",
+        type=int,
+        metavar="N",
+        help="router processes on the one port (default 1): one process's event loop is "
+        "about one core of requests; N processes share placements and load, /metrics sums "
+        "them, admin calls reach all; each holds its own index (memory x N). Env "
+        "KVROUTE_PROCESSES",
+    )
     o.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM)")
     o.add_argument("--tls-key", help="... and this private key (PEM)")
     o.add_argument(
@@ -313,6 +322,7 @@ _PLAIN = [
     "health_degraded_ok",
     "worker_header",
     "seed",
+    "processes",
     "peer_publish",
     "peers",
     "peers_dns",
@@ -405,15 +415,25 @@ def run(args: argparse.Namespace) -> int:
                 )
         from router.app import RouterApp
         from router.extproc.cli import server_from_args
+        from router.processes import role_from_env
 
-        app = RouterApp(config)
+        role = role_from_env()
+        if config.processes > 1 and role is None:
+            if args.ext_proc_port is not None:
+                raise ConfigError(
+                    "--processes N serves HTTP only: run the Envoy picker (--ext-proc-port) "
+                    "with one process per replica"
+                )
+            return _supervise(args, config)
+        app = RouterApp(config, role=role)
         picker = server_from_args(
             args, app.routing, max_body_bytes=config.max_body_bytes, default_host=config.host
         )
     except ConfigError as err:
         print(f"kvroute serve: {err.message}", file=sys.stderr)
         return 2
-    _announce(config)
+    if role is None:
+        _announce(config)
     if picker is not None:
         app.doors.append(picker)
         log.warning("Envoy ext_proc picker on %s:%d (gRPC)", picker.host, picker.port)
@@ -431,8 +451,28 @@ def run(args: argparse.Namespace) -> int:
         tls_cert=config.tls_cert,
         tls_key=config.tls_key,
     )
-    serve(uv, app.start_draining, config.drain_delay_s)
+    sockets = None
+    if role is not None:
+        from router.processes import listen_sockets
+
+        sockets = listen_sockets(role, config.host, config.port)
+    serve(uv, app.start_draining, config.drain_delay_s, sockets=sockets)
     return 0
+
+
+def _supervise(args: argparse.Namespace, config: Config) -> int:
+    """`--processes N`: start N children with these same arguments (router/processes.py)."""
+    from router.processes import Supervisor, check_port
+
+    problem = check_port(config.host, config.port)
+    if problem is not None:
+        print(f"kvroute serve: {problem}", file=sys.stderr)
+        return 2
+    _announce(config)
+    log.warning("%d router processes on port %d", config.processes, config.port)
+    argv = list(getattr(args, "argv", None) or sys.argv[1:])
+    supervisor = Supervisor(argv, config.processes, config.drain_delay_s + config.drain_timeout_s)
+    return supervisor.run()
 
 
 def _announce(config: Config) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -138,5 +139,12 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(config: uvicorn.Config, on_drain: Callable[[], None], drain_delay_s: float) -> None:
-    DrainingServer(config, on_drain, drain_delay_s).run()
+def serve(
+    config: uvicorn.Config,
+    on_drain: Callable[[], None],
+    drain_delay_s: float,
+    sockets: list[socket.socket] | None = None,
+) -> None:
+    """Serve until drained; `sockets`: listen on these (already bound) instead of the
+    config's host and port (`--processes`: the shared port and a private one)."""
+    DrainingServer(config, on_drain, drain_delay_s).run(sockets=sockets)

@@ -130,7 +130,7 @@ def test_load_against_a_model(ops: list[tuple[str, Any, int]]) -> None:
         own = sum(1 for t in tickets if t.worker == w and not t.done)
         theirs = sum(v for (_, pw), v in peers.items() if pw == w)
         assert load.local(w).requests == own
-        assert load.view(w).requests == own + theirs
+        assert load.view(w).requests == load.known(w).requests == own + theirs
         assert load.local(w).prefill_tokens == sum(
             t.prefill_tokens
             for t in tickets

@@ -66,6 +66,7 @@ class ScoringConfig:
 
 
 _PEER_ENDPOINT = re.compile(r"^tcp://[^\s:/]+:\d{1,5}$")
+MAX_PROCESSES = 64
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,9 @@ class Config:
     peer_publish: str | None = None  # e.g. tcp://0.0.0.0:5570
     peers: tuple[str, ...] = ()  # e.g. tcp://kvroute-1.kvroute:5570
     peers_dns: str | None = None  # HOST:PORT of a headless Service of the router pods
+    # router processes behind the one port (router/processes.py): one event loop's Python
+    # is one core's worth of requests
+    processes: int = 1
     workers_file: str | None = None  # reloaded on change
     workers_dns: str | None = None  # HOST:PORT of a headless Service: one worker per A record
     dns_interval_s: float = 5.0
@@ -202,6 +206,7 @@ class Config:
         _check(self.scoring.balance_rel >= 1, "scoring.balance_rel", "must be >= 1")
         self._check_busy()
         self._check_peers()
+        self._check_processes()
         for model, spec in self.tokenizers.items():
             _check(bool(model) and bool(spec), f"tokenizers.{model}", "give MODEL: PATH|remote")
         self._check_pd()
@@ -229,6 +234,21 @@ class Config:
             "peers",
             "a replica does not subscribe to itself: list the other replicas' endpoints",
         )
+
+    def _check_processes(self) -> None:
+        _check(
+            1 <= self.processes <= MAX_PROCESSES,
+            "processes",
+            f"{self.processes}: use 1 to {MAX_PROCESSES} (about one per core the router may use)",
+        )
+        if self.processes > 1:
+            _check(
+                not (self.peer_publish or self.peers or self.peers_dns),
+                "processes",
+                "processes > 1 share placements and load among themselves; replicas with "
+                "peer_publish/peers/peers_dns run one process each for now (drop --processes, "
+                "or run more replicas)",
+            )
 
     def _check_busy(self) -> None:
         if self.busy_max_requests is not None:

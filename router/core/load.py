@@ -100,6 +100,15 @@ class LoadTracker:
         local = self._local.get(worker, _Local())
         return PeerLoad(local.requests, local.prefill_tokens, local.decode_blocks)
 
+    def known(self, worker: str) -> PeerLoad:
+        """This replica's and its peers' in-flight load on `worker` (no scraped part)."""
+        mine, theirs = self.local(worker), self._peer_sum(worker)
+        return PeerLoad(
+            mine.requests + theirs.requests,
+            mine.prefill_tokens + theirs.prefill_tokens,
+            mine.decode_blocks + theirs.decode_blocks,
+        )
+
     def peer(self, replica: str, worker: str, load: PeerLoad) -> None:
         """Another replica's own load on `worker` (its latest word replaces the last)."""
         by_replica = self._peers.setdefault(worker, {})

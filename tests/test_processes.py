@@ -1,0 +1,190 @@
+"""`kvroute serve --processes N` (router/processes.py), as an operator runs it: a real
+supervisor and its children on one loopback port in front of a simulated fleet. Both
+processes answer; in-flight load is counted once whichever process is asked; /metrics sums
+the processes; an admin drain reaches every process; a killed child is restarted; SIGTERM
+drains them all and leaves nothing behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from router.core.config import Config, from_env, from_mapping
+from router.core.errors import ConfigError
+from router.procs import FleetProcess, RouterProcess
+from router.tokenize import PACKAGED_TOKENIZER
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def children_of(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def fresh(url: str, path: str, **kw: Any) -> httpx.Response:
+    """One request on its own connection: the kernel picks a process per connection."""
+    with httpx.Client(timeout=30) as client:
+        return client.request(kw.pop("method", "GET"), url + path, **kw)
+
+
+def admin(r: RouterProcess) -> dict[str, str]:
+    return {"authorization": f"Bearer {r.admin_token}"}
+
+
+def until(check: Callable[[], bool], within_s: float, what: str) -> None:
+    deadline = time.monotonic() + within_s
+    while not check():
+        assert time.monotonic() < deadline, f"not within {within_s} s: {what}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[FleetProcess]:
+    # slow decoding: a stream of 40 tokens takes ~4 s, long enough to look at in flight
+    with FleetProcess(2, extra=["--decode-ms-per-step", "100"]) as f:
+        yield f
+
+
+@contextlib.contextmanager
+def router(fleet: FleetProcess, n: int = 2) -> Iterator[RouterProcess]:
+    extra = ["--processes", str(n), "--drain-delay", "0.2"]
+    # the engines' /metrics are read once at start only: what a process counts of its
+    # sibling's requests then comes from the sibling, not from the engines' gauges
+    env = {"KVROUTE_SCRAPE_INTERVAL_S": "300"}
+    with RouterProcess(fleet.urls, tokenizer=PACKAGED_TOKENIZER, extra=extra, env=env) as r:
+        until(lambda: len(processes_answering(r)) == n, 30, "every process answers")
+        yield r
+
+
+def processes_answering(r: RouterProcess, tries: int = 60) -> set[int]:
+    seen = set()
+    for _ in range(tries):
+        seen.add(fresh(r.url, "/health").json()["process"]["index"])
+    return seen
+
+
+def complete(url: str, prompt: str, **extra: Any) -> httpx.Response:
+    body = {"model": "kvroute-sim", "prompt": prompt, "max_tokens": 4, **extra}
+    return fresh(url, "/v1/completions", method="POST", json=body)
+
+
+def test_load_is_counted_once_and_metrics_are_summed(fleet: FleetProcess) -> None:
+    with router(fleet) as r:
+        assert processes_answering(r) == {1, 2}
+        for i in range(12):
+            assert complete(r.url, f"request {i}: " + "shared words of a prompt " * 8).is_success
+        for _ in range(8):  # whichever process answers the scrape, every process is in it
+            scrape = fresh(r.url, "/metrics").text
+            served = re.findall(
+                r'^kvroute_requests_total\{[^}]*status="200"[^}]*\} (\S+)$', scrape, re.M
+            )
+            assert sum(float(v) for v in served) == 12
+            assert re.search(r"^kvroute_build_info\{[^}]*\} 1\.0$", scrape, re.M)
+            assert re.search(r"^kvroute_peer_replicas 1\.0$", scrape, re.M)
+        # six long streams in flight: every process counts all six (its own and its
+        # sibling's), never twelve
+        streams = 6
+        body = {"model": "kvroute-sim", "max_tokens": 40, "stream": True}
+        with ThreadPoolExecutor(streams) as pool:
+            futures = [
+                pool.submit(
+                    fresh,
+                    r.url,
+                    "/v1/completions",
+                    method="POST",
+                    json={**body, "prompt": f"stream {i}: " + "a long enough prompt " * 10},
+                )
+                for i in range(streams)
+            ]
+            time.sleep(1.3)  # a scrape of the engines since: nothing counted twice
+            counted = []
+            for _ in range(8):
+                probe = {"model": "kvroute-sim", "prompt": "where would this go?"}
+                doc = fresh(r.url, "/debug/route", method="POST", json=probe, headers=admin(r))
+                doc = doc.json()
+                assert "workers" in doc, doc
+                counted.append(sum(w["requests_in_flight"] for w in doc["workers"]))
+            assert all(f.result().is_success for f in futures)
+        assert counted == [streams] * 8, counted
+
+
+def test_an_admin_drain_reaches_every_process(fleet: FleetProcess) -> None:
+    with router(fleet) as r:
+        name = fleet.urls[0].removeprefix("http://")
+        resp = fresh(r.url, f"/admin/workers/{name}/drain", method="POST", headers=admin(r))
+        assert resp.status_code == 200, resp.text
+        for _ in range(12):
+            listed = {
+                w["name"]: w["draining"]
+                for w in fresh(r.url, "/admin/workers", headers=admin(r)).json()["workers"]
+            }
+            assert listed[name] is True
+        for i in range(6):  # no process sends new requests to the drained worker
+            served = complete(r.url, f"after the drain {i}").headers["x-kvroute-worker"]
+            assert served != name
+
+
+def test_a_killed_process_is_restarted_and_sigterm_stops_all(fleet: FleetProcess) -> None:
+    with router(fleet) as r:
+        first = children_of(r.proc.pid)
+        assert len(first) == 2
+        os.kill(first[0], signal.SIGKILL)
+        until(
+            lambda: len(children_of(r.proc.pid)) == 2 and first[0] not in children_of(r.proc.pid),
+            15,
+            "the supervisor starts a new process",
+        )
+        until(lambda: processes_answering(r, 20) == {1, 2}, 30, "both answer again")
+        kids = children_of(r.proc.pid)
+        directory = Path(f"/proc/{kids[0]}/environ").read_bytes().split(b"\0")
+        rundir = next(v for v in directory if v.startswith(b"KVROUTE_PROCESS_DIR="))
+        rundir_path = Path(rundir.split(b"=", 1)[1].decode())
+        assert rundir_path.is_dir()
+        r.proc.send_signal(signal.SIGTERM)
+        assert r.proc.wait(20) == 0
+        for pid in kids:
+            assert not Path(f"/proc/{pid}").exists() or _zombie(pid)
+        assert not rundir_path.exists()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_start_up_error_stops_the_supervisor(fleet: FleetProcess, tmp_path: Path) -> None:
+    """Every process failing at start (here: no tokenizer there) exits non-zero, once."""
+    with pytest.raises(RuntimeError, match="exited"):
+        RouterProcess(
+            fleet.urls, tokenizer=tmp_path / "missing", extra=["--processes", "2"], ready_timeout=20
+        )
+
+
+@pytest.mark.parametrize(
+    ("fields", "fix"),
+    [
+        ({"processes": 0}, "use 1 to"),
+        ({"processes": 2, "peers": ["tcp://kvroute-1:5570"]}, "one process each"),
+    ],
+)
+def test_bad_processes_name_the_field(fields: dict[str, Any], fix: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        from_mapping({"workers": ["http://127.0.0.1:8000"], **fields}, Config()).validate()
+    assert err.value.param == "processes" and fix in err.value.message
+
+
+def test_processes_from_the_environment() -> None:
+    env = {"KVROUTE_WORKERS": "http://127.0.0.1:8000", "KVROUTE_PROCESSES": "4"}
+    assert from_env(Config(), env).validate().processes == 4
