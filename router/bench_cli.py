@@ -28,7 +28,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     px.add_argument("--plot", type=Path, help="write a bar chart here (SVG)")
     px.add_argument("--seconds", type=int, default=5, help="per wrk run (default 5)")
     px.add_argument("--repeat", type=int, default=3, help="runs per point; medians (default 3)")
-    px.add_argument("--only", nargs="+", help="targets to run: kvroute sglang-router vllm-router")
+    px.add_argument(
+        "--only",
+        nargs="+",
+        help="targets to run: kvroute kvroute-2p (serve --processes 2) sglang-router vllm-router",
+    )
     px.add_argument(
         "--prompts",
         nargs="+",

@@ -195,7 +195,7 @@ class Control:
             counts: dict[str, int] = {}
             for r in reports:
                 counts[r["status"]] = counts.get(r["status"], 0) + 1
-            return code, {"status": status, "workers": counts}
+            return code, {"status": status, "workers": counts, **self._process()}
         doc: dict[str, Any] = {
             "status": status,
             "unhealthy_workers": [r["name"] for r in reports if r["status"] != "ok"],
@@ -203,9 +203,13 @@ class Control:
         }
         if pd is not None:
             doc["pd"] = pd
-        if self.role is not None:  # which of the --processes answered
-            doc["process"] = {"index": self.role.index + 1, "of": self.role.count}
-        return code, doc
+        return code, {**doc, **self._process()}
+
+    def _process(self) -> dict[str, Any]:
+        """Which of the --processes answered (nothing with one process)."""
+        if self.role is None:
+            return {}
+        return {"process": {"index": self.role.index + 1, "of": self.role.count}}
 
     def worker_list(self) -> list[dict[str, Any]]:
         out = []

@@ -57,6 +57,7 @@ LOAD = b"load"
 _LOAD = struct.Struct("<qqq")
 HEARTBEAT_S = 1.0  # every worker's load republished this often (also: "this replica is alive")
 SILENT_S = 3.5  # a replica not heard from this long: its load no longer counts
+LOAD_FLUSH_S = 0.002  # load changes of this long are published as one report per endpoint
 DRAIN_MAX = 10_000  # messages one drain applies at most (a pick must not wait on a flood)
 
 
@@ -135,6 +136,8 @@ class PlacementLink:
         self._dirty: set[str] = set()  # endpoints whose local load changed since the flush
         self._tick_task: asyncio.Task[None] | None = None
         self._sub_now: zmq.Socket[bytes] | None = None
+        self._pub_now: zmq.Socket[bytes] | None = None
+        self._flush_timer: asyncio.TimerHandle | None = None
 
     async def start(self) -> None:
         if self.publish_endpoint:
@@ -142,6 +145,8 @@ class PlacementLink:
             self._pub.setsockopt(zmq.SNDHWM, HWM)
             self._pub.setsockopt(zmq.LINGER, 0)
             self._pub.bind(self.publish_endpoint)
+            # sends never wait (NOBLOCK): the plain socket skips asyncio's future per send
+            self._pub_now = zmq.Socket.shadow(self._pub.underlying)
             self.fleet.load.on_change = self.changed
             log.info("publishing placements and load on %s", self.publish_endpoint)
         if self.peers or self.peers_dns:
@@ -171,7 +176,10 @@ class PlacementLink:
         for sock in (self._pub, self._sub):
             if sock is not None:
                 sock.close(linger=0)
-        self._pub = self._sub = self._sub_now = None
+        self._pub = self._sub = self._sub_now = self._pub_now = None
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
 
     def _connect(self, wanted: set[str]) -> None:
         assert self._sub is not None
@@ -206,29 +214,32 @@ class PlacementLink:
 
     def sent(self, worker: str, hashes: Sequence[int]) -> None:
         """This replica sent a request to `worker`: tell the peers (never blocks)."""
-        if self._pub is None or not hashes:
+        if self._pub_now is None or not hashes:
             return
         with contextlib.suppress(zmq.Again):
-            self._pub.send_multipart(encode(worker, hashes), flags=zmq.NOBLOCK)
+            self._pub_now.send_multipart(encode(worker, hashes), flags=zmq.NOBLOCK)
 
     def changed(self, worker: str) -> None:
-        """This replica's load on `worker` changed: publish it at the end of this turn of
-        the event loop (a burst of picks is one report per endpoint)."""
-        if not self._dirty:
-            asyncio.get_running_loop().call_soon(self._flush)
+        """This replica's load on `worker` changed: publish it within LOAD_FLUSH_S (the
+        starts, first tokens and ends of a burst are one report per endpoint: measured, a
+        report per change cost ~0.3 ms of CPU per request between two processes)."""
+        if self._flush_timer is None:
+            loop = asyncio.get_running_loop()
+            self._flush_timer = loop.call_later(LOAD_FLUSH_S, self._flush)
         self._dirty.add(worker)
 
     def _flush(self) -> None:
+        self._flush_timer = None
         dirty, self._dirty = self._dirty, set()
         self._publish_load(dirty)
 
     def _publish_load(self, workers: Iterable[str]) -> None:
-        if self._pub is None:
+        if self._pub_now is None:
             return
         for worker in workers:
             frames = encode_load(self.replica, worker, self.fleet.load.local(worker))
             with contextlib.suppress(zmq.Again):
-                self._pub.send_multipart(frames, flags=zmq.NOBLOCK)
+                self._pub_now.send_multipart(frames, flags=zmq.NOBLOCK)
 
     async def _tick(self) -> None:
         while True:
@@ -248,8 +259,9 @@ class PlacementLink:
         self._on_peers(len(self.heard))
 
     async def _receive(self, sub: zmq.asyncio.Socket) -> None:
-        while True:
-            self.apply(await sub.recv_multipart())
+        while True:  # woken once for whatever arrived, then all of it read at once
+            await sub.poll()
+            self.drain()
 
     def drain(self) -> int:
         """Apply every message already delivered, now: called just before each pick. The

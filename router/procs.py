@@ -125,12 +125,27 @@ class RouterProcess(_Stoppable):
             if self.proc.poll() is not None:
                 raise RuntimeError(f"kvroute serve exited {self.proc.returncode}: {self.log()}")
             try:
-                if httpx.get(f"{self.url}/ready", timeout=1).status_code == 200:
+                ready = httpx.get(f"{self.url}/ready", timeout=1).status_code == 200
+                if ready and self._every_process_answers():
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
         raise RuntimeError(f"kvroute serve not ready in {timeout} s: {self.log()}")
+
+    def _every_process_answers(self) -> bool:
+        """With --processes N, all N: one still starting gets no connection opened now, and
+        a benchmark's keep-alive connections would never reach it."""
+        seen: set[int] = set()
+        of = 1
+        for _ in range(40):  # each on a new connection: the kernel picks the process
+            doc = httpx.get(f"{self.url}/health", timeout=1).json()
+            process = doc.get("process") or {"index": 1, "of": 1}
+            seen.add(int(process["index"]))
+            of = int(process["of"])
+            if len(seen) == of:
+                return True
+        return False
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-3000:]

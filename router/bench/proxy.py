@@ -71,10 +71,35 @@ def _max(text: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2)] if m else 0.0
 
 
+def _family(pid: int) -> list[int]:
+    """A process and its children (`kvroute serve --processes N`: the supervisor's)."""
+    try:
+        kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    except OSError:
+        kids = []
+    return [pid, *(int(k) for k in kids)]
+
+
 def _cpu_ticks(pid: int) -> int:
-    """utime + stime of a process (all its threads), in clock ticks."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
+    """utime + stime of a process and its children (all their threads), in clock ticks."""
+    total = 0
+    for p in _family(pid):
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+    return total
+
+
+def _rss_mb(pid: int) -> list[float]:
+    """Resident memory of each serving process (the children, when there are some)."""
+    family = _family(pid)
+    out = []
+    for p in family[1:] or family:
+        with contextlib.suppress(OSError):
+            status = Path(f"/proc/{p}/status").read_text()
+            kb = int(re.search(r"VmRSS:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
+            out.append(round(kb / 1024, 1))
+    return out
 
 
 def wrk(target: Target, lua: Path, conns: int, seconds: int) -> Run:
@@ -118,9 +143,14 @@ def backend(ports: list[int]) -> Iterator[int]:
 
 
 @contextlib.contextmanager
-def kvroute_target(workers: list[str]) -> Iterator[Target]:
-    with RouterProcess(workers, tokenizer=PACKAGED_TOKENIZER) as router:
+def kvroute_target(workers: list[str], processes: int = 1) -> Iterator[Target]:
+    extra = ["--processes", str(processes)] if processes > 1 else []
+    with RouterProcess(workers, tokenizer=PACKAGED_TOKENIZER, extra=extra) as router:
         yield Target(router.url, router.proc.pid)
+
+
+def kvroute_processes_target(workers: list[str]) -> Any:
+    return kvroute_target(workers, processes=2)
 
 
 def sglang_target(workers: list[str]) -> Any | None:
@@ -147,6 +177,7 @@ def _peer(cmd: list[str], port: int) -> Iterator[Target]:
 
 TARGETS: dict[str, Callable[[list[str]], Any]] = {
     "kvroute": kvroute_target,
+    "kvroute-2p": kvroute_processes_target,  # kvroute serve --processes 2
     "sglang-router": sglang_target,
     "vllm-router": vllm_router_target,
 }
@@ -184,7 +215,9 @@ def run(
         _measure_all(by, targets, luas, seconds, repeat)
         if long_seconds:
             _long_runs(by, targets, luas, long_seconds)
+        memory = {n: _rss_mb(t.pid) for n, t in targets.items() if n.startswith("kvroute")}
     results = _assemble(by, seconds, repeat)
+    results["rss_mb"] = memory  # per serving process, after the runs
     _print(results)
     if json_path is not None:
         json_path.write_text(json.dumps(results, indent=2))
@@ -288,19 +321,29 @@ def _derive(mix: dict[str, Any]) -> None:
             t[c]["added_p99_us"] = round(t[c]["p99_us"] - direct[c]["p99_us"], 1)
     ratios: dict[str, float] = {}
     ours = targets.get("kvroute", {})
+    two = targets.get("kvroute-2p", {})
     for peer in ("sglang-router", "vllm-router"):
         theirs = targets.get(peer, {})
-        if "c1" not in ours or "c1" not in theirs:
+        if "c1" not in theirs:
             continue
-        # > 1: kvroute adds more latency than the peer / serves more requests per second
-        ratios[f"added_p50_c1_vs_{peer}"] = round(
-            ours["c1"]["added_p50_us"] / max(theirs["c1"]["added_p50_us"], 1.0), 2
-        )
-        ratios[f"rps_c32_vs_{peer}"] = round(ours["c32"]["rps"] / max(theirs["c32"]["rps"], 1), 2)
+        if "c1" in ours:
+            # > 1: kvroute adds more latency than the peer / serves more requests per second
+            ratios[f"added_p50_c1_vs_{peer}"] = round(
+                ours["c1"]["added_p50_us"] / max(theirs["c1"]["added_p50_us"], 1.0), 2
+            )
+            ratios[f"rps_c32_vs_{peer}"] = round(
+                ours["c32"]["rps"] / max(theirs["c32"]["rps"], 1), 2
+            )
+        if "c1" in two:  # --processes 2
+            ratios[f"2p_rps_c32_vs_{peer}"] = round(
+                two["c32"]["rps"] / max(theirs["c32"]["rps"], 1), 2
+            )
     mix["ratios"] = ratios
 
 
 def _print(results: dict[str, Any]) -> None:
+    for name, rss in results.get("rss_mb", {}).items():
+        print(f"{name}: resident memory per serving process {rss} MB")
     for name, mix in results["by_prompts"].items():
         f = mix["tokenizer"]
         tail = (
