@@ -44,7 +44,8 @@ ENV_DIR = "KVROUTE_PROCESS_DIR"
 ENV_COUNT = "KVROUTE_PROCESS_COUNT"
 RESTART_BACKOFF_S = 1.0  # a child that died is started again after this long
 PR_SET_PDEATHSIG = 1  # prctl(2)
-QUICK_DEATH_S = 5.0  # every child dying this soon after start: a start-up error, give up
+QUICK_DEATH_S = 5.0  # a child dying this soon after its start failed to start
+QUICK_DEATHS = 3  # ... this many times in a row (or every child at once): give up
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,7 @@ class Supervisor:
         from prometheus_client import multiprocess
 
         codes: dict[int, int] = {}
+        quick: dict[int, int] = {}  # deaths in a row within QUICK_DEATH_S of a start
         while len(codes) < self.count:
             time.sleep(0.2)
             for i, child in list(self.children.items()):
@@ -178,10 +180,10 @@ class Supervisor:
                     continue
                 lived = time.monotonic() - self.started[i]
                 log.error("process %d/%d exited %d after %.1f s", i + 1, self.count, code, lived)
-                if lived < QUICK_DEATH_S and all(
-                    c.poll() is not None for c in self.children.values()
-                ):
-                    log.error("every process failed at start: see the errors above")
+                quick[i] = quick.get(i, 0) + 1 if lived < QUICK_DEATH_S else 0
+                all_down = all(c.poll() is not None for c in self.children.values())
+                if (all_down and lived < QUICK_DEATH_S) or quick[i] >= QUICK_DEATHS:
+                    log.error("the processes fail at start: see the errors above")
                     self.stopping = True
                     self._forward(signal.SIGTERM, None)
                     return code or 1

@@ -10,6 +10,8 @@ import contextlib
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -188,3 +190,11 @@ def test_bad_processes_name_the_field(fields: dict[str, Any], fix: str) -> None:
 def test_processes_from_the_environment() -> None:
     env = {"KVROUTE_WORKERS": "http://127.0.0.1:8000", "KVROUTE_PROCESSES": "4"}
     assert from_env(Config(), env).validate().processes == 4
+
+
+def test_processes_with_the_envoy_picker_is_refused() -> None:
+    cmd = [sys.executable, "-m", "router.cli", "serve", "--worker", "http://127.0.0.1:9"]
+    cmd += ["--processes", "2", "--ext-proc-port", "9002"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "--processes N serves HTTP only" in done.stderr
