@@ -93,8 +93,16 @@ class RouterApp:
         self.control.pd = self.pd
         self.peers: PlacementLink | None = None
         publish, peers = config.peer_publish, list(config.peers)
-        if role is not None:  # the sibling processes are this replica's peers
-            publish, peers = role.link(role.index), [role.link(i) for i in role.siblings]
+        relay_publish, relay_from = None, []
+        if role is not None:
+            # the sibling processes are peers too; the first process speaks for all of them
+            # to the other replicas (router/peers.py)
+            siblings = [role.link(i) for i in role.siblings]
+            publish = role.link(role.index)
+            if role.index == 0:
+                relay_publish, relay_from = config.peer_publish, siblings
+            else:
+                peers = siblings + peers
         if publish or peers or config.peers_dns:
             counter = self.metrics.peer_placements
             self.peers = PlacementLink(
@@ -105,6 +113,8 @@ class RouterApp:
                 peers_dns=config.peers_dns,
                 dns_interval_s=config.dns_interval_s,
                 on_peers=self.metrics.peer_replicas.set,
+                relay_publish=relay_publish,
+                relay_from=relay_from,
             )
             self.routing.on_sent.append(self.peers.sent)
             self.routing.before_pick.append(self.peers.drain)

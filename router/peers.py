@@ -16,6 +16,11 @@ its own, so two replicas do not both send a burst to the worker that looks idle 
 worker's scraped /metrics are up to a second old). The latest word of a replica replaces its
 last one, so a lost message heals at the next; a replica silent for `SILENT_S` no longer counts.
 
+A replica of several processes (`kvroute serve --processes N`) links its processes the same
+way over unix sockets; its first process also binds the replica's `peer_publish` and relays
+there what its siblings publish (`relay_publish`, `relay_from`), and every process subscribes
+to the other replicas: another replica sees each process as one peer.
+
 On Kubernetes the replicas find each other through a headless Service of the router pods
 (`peers_dns: HOST:PORT`), re-resolved every `dns_interval_s`; a replica skips its own address
 (`POD_IP` from the downward API, else what its hostname resolves to).
@@ -115,8 +120,17 @@ class PlacementLink:
         peers_dns: str | None = None,
         dns_interval_s: float = 5.0,
         on_peers: Callable[[int], None] | None = None,
+        relay_publish: str | None = None,
+        relay_from: Sequence[str] = (),
     ) -> None:
         self.fleet = fleet
+        self.relay_publish = relay_publish  # also publish here, with what relay_from sends
+        self.relay_from = list(relay_from)
+        self._relay_pub: zmq.asyncio.Socket | None = None
+        self._relay_now: zmq.Socket[bytes] | None = None
+        self._relay_sub: zmq.asyncio.Socket | None = None
+        self._relay_sub_now: zmq.Socket[bytes] | None = None
+        self._relay_task: asyncio.Task[None] | None = None
         self.publish_endpoint = publish
         self.peers = list(peers)
         self.peers_dns = peers_dns
@@ -141,20 +155,23 @@ class PlacementLink:
 
     async def start(self) -> None:
         if self.publish_endpoint:
-            self._pub = self._ctx.socket(zmq.PUB)
-            self._pub.setsockopt(zmq.SNDHWM, HWM)
-            self._pub.setsockopt(zmq.LINGER, 0)
-            self._pub.bind(self.publish_endpoint)
+            self._pub = self._pub_socket(self.publish_endpoint)
             # sends never wait (NOBLOCK): the plain socket skips asyncio's future per send
             self._pub_now = zmq.Socket.shadow(self._pub.underlying)
             self.fleet.load.on_change = self.changed
             log.info("publishing placements and load on %s", self.publish_endpoint)
+        if self.relay_publish:
+            self._relay_pub = self._pub_socket(self.relay_publish)
+            self._relay_now = zmq.Socket.shadow(self._relay_pub.underlying)
+            log.info("publishing this replica's placements and load on %s", self.relay_publish)
+        if self.relay_from:
+            self._relay_sub = self._sub_socket()
+            for endpoint in self.relay_from:
+                self._relay_sub.connect(endpoint)
+            self._relay_sub_now = zmq.Socket.shadow(self._relay_sub.underlying)
+            self._relay_task = asyncio.create_task(self._receive(self._relay_sub))
         if self.peers or self.peers_dns:
-            self._sub = self._ctx.socket(zmq.SUB)
-            self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-            self._sub.setsockopt(zmq.RCVHWM, HWM)
-            self._sub.setsockopt(zmq.LINGER, 0)
-            self._sub.setsockopt(zmq.IPV6, 1)  # a dual-stack Service may answer AAAA too
+            self._sub = self._sub_socket()
             self._connect(set(self.peers))
             if self.peers_dns:
                 await self.resolve()
@@ -164,19 +181,35 @@ class PlacementLink:
             self._sub_now = zmq.Socket.shadow(self._sub.underlying)
         self._tick_task = asyncio.create_task(self._tick())
 
+    def _pub_socket(self, endpoint: str) -> zmq.asyncio.Socket:
+        pub = self._ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, HWM)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind(endpoint)
+        return pub
+
+    def _sub_socket(self) -> zmq.asyncio.Socket:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.RCVHWM, HWM)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.IPV6, 1)  # a dual-stack Service may answer AAAA too
+        return sub
+
     async def stop(self) -> None:
         if self.fleet.load.on_change == self.changed:
             self.fleet.load.on_change = None
-        for task in (self._dns_task, self._task, self._tick_task):
+        for task in (self._dns_task, self._task, self._tick_task, self._relay_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        self._dns_task = self._task = self._tick_task = None
-        for sock in (self._pub, self._sub):
+        self._dns_task = self._task = self._tick_task = self._relay_task = None
+        for sock in (self._pub, self._sub, self._relay_pub, self._relay_sub):
             if sock is not None:
                 sock.close(linger=0)
         self._pub = self._sub = self._sub_now = self._pub_now = None
+        self._relay_pub = self._relay_sub = self._relay_now = self._relay_sub_now = None
         if self._flush_timer is not None:
             self._flush_timer.cancel()
             self._flush_timer = None
@@ -214,10 +247,16 @@ class PlacementLink:
 
     def sent(self, worker: str, hashes: Sequence[int]) -> None:
         """This replica sent a request to `worker`: tell the peers (never blocks)."""
-        if self._pub_now is None or not hashes:
-            return
-        with contextlib.suppress(zmq.Again):
-            self._pub_now.send_multipart(encode(worker, hashes), flags=zmq.NOBLOCK)
+        if hashes:
+            self._send(encode(worker, hashes))
+
+    def _send(self, frames: list[bytes], relayed: bool = False) -> None:
+        """To the peers (never blocks: a slow peer loses hints only); `relayed`: a
+        sibling's message, passed on to the other replicas only."""
+        for sock in (None if relayed else self._pub_now, self._relay_now):
+            if sock is not None:
+                with contextlib.suppress(zmq.Again):
+                    sock.send_multipart(frames, flags=zmq.NOBLOCK)
 
     def changed(self, worker: str) -> None:
         """This replica's load on `worker` changed: publish it within LOAD_FLUSH_S (the
@@ -234,12 +273,10 @@ class PlacementLink:
         self._publish_load(dirty)
 
     def _publish_load(self, workers: Iterable[str]) -> None:
-        if self._pub_now is None:
+        if self._pub_now is None and self._relay_now is None:
             return
         for worker in workers:
-            frames = encode_load(self.replica, worker, self.fleet.load.local(worker))
-            with contextlib.suppress(zmq.Again):
-                self._pub_now.send_multipart(frames, flags=zmq.NOBLOCK)
+            self._send(encode_load(self.replica, worker, self.fleet.load.local(worker)))
 
     async def _tick(self) -> None:
         while True:
@@ -268,16 +305,17 @@ class PlacementLink:
         receive task runs only between other tasks, and a burst of requests holds the event
         loop ~10 ms; measured on shared-system, two replicas placing one new prefix 8 ms
         apart chose two workers because the second had not yet read the first's placement."""
-        if self._sub_now is None:
-            return 0
         n = 0
-        while n < DRAIN_MAX:
-            try:
-                frames = self._sub_now.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            self.apply(frames)
-            n += 1
+        for sock, relay in ((self._sub_now, False), (self._relay_sub_now, True)):
+            while sock is not None and n < DRAIN_MAX:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self.apply(frames)
+                if relay:
+                    self._send(frames, relayed=True)
+                n += 1
         return n
 
     def apply(self, frames: Sequence[bytes], now: float | None = None) -> str:

@@ -252,9 +252,9 @@ def _operator_args(p: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         help="router processes on the one port (default 1): one process's event loop is "
-        "about one core of requests; N processes share placements and load, /metrics sums "
-        "them, admin calls reach all; each holds its own index (memory x N). Env "
-        "KVROUTE_PROCESSES",
+        "about one core of requests; N processes share placements and load (and with "
+        "--peer-publish, the first publishes for all), /metrics sums them, admin calls reach "
+        "all; each holds its own index (memory x N). Env KVROUTE_PROCESSES",
     )
     o.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM)")
     o.add_argument("--tls-key", help="... and this private key (PEM)")

@@ -23,7 +23,7 @@ import pytest
 
 from router.core.config import Config, from_env, from_mapping
 from router.core.errors import ConfigError
-from router.procs import FleetProcess, RouterProcess
+from router.procs import FleetProcess, RouterProcess, free_port
 from router.tokenize import PACKAGED_TOKENIZER
 
 pytestmark = pytest.mark.timeout(180)
@@ -178,7 +178,7 @@ def test_a_start_up_error_stops_the_supervisor(fleet: FleetProcess, tmp_path: Pa
     ("fields", "fix"),
     [
         ({"processes": 0}, "use 1 to"),
-        ({"processes": 2, "peers": ["tcp://kvroute-1:5570"]}, "one process each"),
+        ({"processes": 65}, "use 1 to"),
     ],
 )
 def test_bad_processes_name_the_field(fields: dict[str, Any], fix: str) -> None:
@@ -198,3 +198,41 @@ def test_processes_with_the_envoy_picker_is_refused() -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "--processes N serves HTTP only" in done.stderr
+
+
+def test_a_replica_of_two_processes_and_a_replica_of_one(fleet: FleetProcess) -> None:
+    """Replica A runs two processes, replica B one, linked by --peer-publish/--peer: B hears
+    both of A's processes (A's first relays its sibling), and every A process hears B; every
+    request sent through A reaches B as a placement, whichever process served it."""
+    a_pub, b_pub = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    env = {"KVROUTE_SCRAPE_INTERVAL_S": "300"}
+    a_extra = ["--processes", "2", "--peer-publish", a_pub, "--peer", b_pub]
+    with (
+        RouterProcess(fleet.urls, tokenizer=PACKAGED_TOKENIZER, extra=a_extra, env=env) as a,
+        RouterProcess(
+            fleet.urls,
+            tokenizer=PACKAGED_TOKENIZER,
+            extra=["--peer-publish", b_pub, "--peer", a_pub],
+            env=env,
+        ) as b,
+    ):
+
+        def gauge(r: RouterProcess, name: str) -> float:
+            found = re.search(rf"^{name} (\S+)$", fresh(r.url, "/metrics").text, re.M)
+            return float(found[1]) if found else -1.0
+
+        until(lambda: gauge(b, "kvroute_peer_replicas") == 2, 20, "B hears both of A's")
+        # A's scrape: the fewest any of its processes hears (a sibling and B)
+        until(lambda: gauge(a, "kvroute_peer_replicas") == 2, 20, "each A process hears 2")
+        sent = 16
+        for i in range(sent):
+            assert complete(a.url, f"through A {i}: " + "words of a shared context " * 8).is_success
+
+        def applied() -> float:
+            text = fresh(b.url, "/metrics").text
+            found = re.search(
+                r'^kvroute_peer_placements_total\{result="applied"\} (\S+)$', text, re.M
+            )
+            return float(found[1]) if found else 0.0
+
+        until(lambda: applied() == sent, 10, "B applied every placement A made")

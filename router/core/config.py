@@ -241,14 +241,6 @@ class Config:
             "processes",
             f"{self.processes}: use 1 to {MAX_PROCESSES} (about one per core the router may use)",
         )
-        if self.processes > 1:
-            _check(
-                not (self.peer_publish or self.peers or self.peers_dns),
-                "processes",
-                "processes > 1 share placements and load among themselves; replicas with "
-                "peer_publish/peers/peers_dns run one process each for now (drop --processes, "
-                "or run more replicas)",
-            )
 
     def _check_busy(self) -> None:
         if self.busy_max_requests is not None:
