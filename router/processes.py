@@ -97,11 +97,12 @@ def listen_sockets(role: ProcessRole, host: str, port: int) -> list[socket.socke
 
 
 def check_port(host: str, port: int) -> str | None:
-    """Why the children could not bind host:port, or None: checked once, up front."""
+    """Why the children should not bind host:port, or None: checked once, up front, without
+    SO_REUSEPORT, so that a router already listening there (another `--processes`
+    instance, whose sockets would otherwise quietly share the connections) is refused."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             probe.bind((host, port))
         except OSError as exc:

@@ -10,6 +10,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -236,3 +237,18 @@ def test_a_replica_of_two_processes_and_a_replica_of_one(fleet: FleetProcess) ->
             return float(found[1]) if found else 0.0
 
         until(lambda: applied() == sent, 10, "B applied every placement A made")
+
+
+def test_a_port_already_served_is_refused() -> None:
+    """SO_REUSEPORT would let a second instance quietly take half of the first's
+    connections: the supervisor checks the port without it first."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "router.cli", "serve", "--worker", "http://127.0.0.1:9"]
+    cmd += ["--processes", "2", "--port", str(port)]
+    with socket.socket() as held:
+        held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as a child binds it
+        held.bind(("127.0.0.1", port))
+        held.listen()
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
