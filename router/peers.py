@@ -10,11 +10,12 @@ becomes a short-lived prediction here, exactly as if this replica had sent it (a
 entries for an endpoint without events), until the engine's own events arrive.
 
 Each replica also publishes its own in-flight load on a worker (requests, uncached prompt
-tokens before the first token, decode blocks) whenever it changes, coalesced per event-loop
-turn, and all of it every `HEARTBEAT_S`: a replica counts its peers' requests as if they were
-its own, so two replicas do not both send a burst to the worker that looks idle to each (a
-worker's scraped /metrics are up to a second old). The latest word of a replica replaces its
-last one, so a lost message heals at the next; a replica silent for `SILENT_S` no longer counts.
+tokens before the first token, decode blocks) whenever it changes, coalesced over
+`LOAD_FLUSH_S`, and all of it every `HEARTBEAT_S`: a replica counts its peers' requests as
+if they were its own, so two replicas do not both send a burst to the worker that looks
+idle to each (a worker's scraped /metrics are up to a second old). The latest word of a
+replica replaces its last one, so a lost message heals at the next; a replica silent for
+`SILENT_S` no longer counts.
 
 A replica of several processes (`kvroute serve --processes N`) links its processes the same
 way over unix sockets; its first process also binds the replica's `peer_publish` and relays
@@ -349,11 +350,11 @@ class PlacementLink:
                 f"a peer reported load on {worker!r}, which this replica does not route to: "
                 "give every replica the same workers",
             )
-        if replica not in self.heard:
-            log.info("replica %s reports its load; counted with this replica's", replica)
-            self.heard[replica] = now
-            self._on_peers(len(self.heard))
+        new = replica not in self.heard
         self.heard[replica] = now
+        if new:
+            log.info("replica %s reports its load; counted with this replica's", replica)
+            self._on_peers(len(self.heard))
         self.fleet.load.peer(replica, worker, load)
         return self._count("load", None)
 

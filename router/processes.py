@@ -78,11 +78,16 @@ def role_from_env(environ: dict[str, str] | None = None) -> ProcessRole | None:
     return ProcessRole(int(env[ENV_INDEX]), int(env[ENV_COUNT]), Path(env[ENV_DIR]))
 
 
+def _tcp_socket(host: str) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    return sock
+
+
 def listen_sockets(role: ProcessRole, host: str, port: int) -> list[socket.socket]:
     """The shared port (SO_REUSEPORT) and this process's private admin socket."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    shared = socket.socket(family, socket.SOCK_STREAM)
-    shared.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    shared = _tcp_socket(host)
     shared.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     shared.bind((host, port))
     shared.listen(2048)
@@ -100,9 +105,7 @@ def check_port(host: str, port: int) -> str | None:
     """Why the children should not bind host:port, or None: checked once, up front, without
     SO_REUSEPORT, so that a router already listening there (another `--processes`
     instance, whose sockets would otherwise quietly share the connections) is refused."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    with _tcp_socket(host) as probe:
         try:
             probe.bind((host, port))
         except OSError as exc:
@@ -127,6 +130,7 @@ class Supervisor:
         self.count = count
         self.drain_s = drain_s  # drain delay + timeout: how long children may take to exit
         self.directory = Path(tempfile.mkdtemp(prefix="kvroute-processes-"))
+        self.metrics_dir = ProcessRole(0, count, self.directory).metrics_dir
         self.children: dict[int, subprocess.Popen[bytes]] = {}
         self.started: dict[int, float] = {}
         self.stopping = False
@@ -135,7 +139,7 @@ class Supervisor:
         env = dict(os.environ)
         env[ENV_INDEX], env[ENV_COUNT], env[ENV_DIR] = str(i), str(self.count), str(self.directory)
         # prometheus_client reads it at import: each child's metrics go to files here
-        env["PROMETHEUS_MULTIPROC_DIR"] = str(self.directory / "metrics")
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(self.metrics_dir)
         cmd = [sys.executable, "-c", "import sys; from router.cli import main; sys.exit(main())"]
         self.children[i] = subprocess.Popen(
             [*cmd, *self.argv], env=env, preexec_fn=_die_with_parent
@@ -152,7 +156,7 @@ class Supervisor:
                 child.send_signal(sig)
 
     def run(self) -> int:
-        (self.directory / "metrics").mkdir()
+        self.metrics_dir.mkdir()
         signal.signal(signal.SIGTERM, self._forward)
         signal.signal(signal.SIGINT, self._forward)
         try:
@@ -175,7 +179,7 @@ class Supervisor:
                 if code is None or i in codes:
                     continue
                 # its live gauges (in flight) must stop counting in the sums
-                multiprocess.mark_process_dead(child.pid, str(self.directory / "metrics"))  # type: ignore[no-untyped-call]
+                multiprocess.mark_process_dead(child.pid, str(self.metrics_dir))  # type: ignore[no-untyped-call]
                 if self.stopping:
                     codes[i] = code
                     continue

@@ -160,12 +160,7 @@ async def test_two_links_over_zmq() -> None:
     await a.start()
     await b.start()
     try:
-        # ZMQ's slow joiner: a SUB sees nothing sent before its subscription propagated
-        for _ in range(200):
-            a.sent("w", H)
-            await asyncio.sleep(0.01)
-            if b.counts["applied"]:
-                break
+        await prime(a, b)
         assert b_fleet.predictions.find_matches(H)["w"].blocks == len(H)
         assert a.counts["applied"] == 0  # nothing came back: b sent nothing
         # a's in-flight request counts on b at once (not at the next heartbeat), and its end
@@ -198,6 +193,16 @@ async def test_drain_applies_what_arrived_before_the_receive_task_runs() -> None
     finally:
         await a.stop()
         await b.stop()
+
+
+async def prime(a: PlacementLink, b: PlacementLink) -> None:
+    """ZMQ's slow joiner: a SUB sees nothing sent before its subscription propagated, so `a`
+    sends H until `b` has applied it."""
+    for _ in range(200):
+        a.sent("w", H)
+        await asyncio.sleep(0.01)
+        if b.counts["applied"]:
+            return
 
 
 async def until(check: Callable[[], bool], within_s: float) -> None:
@@ -307,11 +312,7 @@ async def test_peers_found_through_dns_skip_this_replica(monkeypatch: pytest.Mon
     await b.start()
     try:
         assert f"tcp://127.0.0.1:{port}" in b._connected
-        for _ in range(200):
-            a.sent("w", H)
-            await asyncio.sleep(0.01)
-            if b.counts["applied"]:
-                break
+        await prime(a, b)
         assert b_fleet.predictions.find_matches(H)["w"].blocks == len(H)
     finally:
         await a.stop()

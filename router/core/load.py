@@ -102,12 +102,13 @@ class LoadTracker:
 
     def known(self, worker: str) -> PeerLoad:
         """This replica's and its peers' in-flight load on `worker` (no scraped part)."""
-        mine, theirs = self.local(worker), self._peer_sum(worker)
-        return PeerLoad(
-            mine.requests + theirs.requests,
-            mine.prefill_tokens + theirs.prefill_tokens,
-            mine.decode_blocks + theirs.decode_blocks,
-        )
+        local = self._local.get(worker, _Local())
+        requests, prefill, blocks = local.requests, local.prefill_tokens, local.decode_blocks
+        for p in self._peers.get(worker, {}).values():
+            requests += p.requests
+            prefill += p.prefill_tokens
+            blocks += p.decode_blocks
+        return PeerLoad(requests, prefill, blocks)
 
     def peer(self, replica: str, worker: str, load: PeerLoad) -> None:
         """Another replica's own load on `worker` (its latest word replaces the last)."""
@@ -122,14 +123,6 @@ class LoadTracker:
         for by_replica in self._peers.values():
             by_replica.pop(replica, None)
 
-    def _peer_sum(self, worker: str) -> _Local:
-        out = _Local()
-        for p in self._peers.get(worker, {}).values():
-            out.requests += p.requests
-            out.prefill_tokens += p.prefill_tokens
-            out.decode_blocks += p.decode_blocks
-        return out
-
     def scraped(
         self,
         worker: str,
@@ -138,30 +131,21 @@ class LoadTracker:
         kv_usage: float | None,
         capacity_blocks: int | None,
     ) -> None:
-        local = self._local.get(worker, _Local())
-        known = local.requests + self._peer_sum(worker).requests
         engine_requests = running + waiting
-        others = max(0.0, engine_requests - known)
+        others = max(0.0, engine_requests - self.known(worker).requests)
         engine_blocks = (kv_usage or 0.0) * (capacity_blocks or 0)
         share = others / engine_requests if engine_requests else 0.0
         self._scraped[worker] = _Scraped(others, engine_blocks * share, kv_usage)
 
     def view(self, worker: str) -> LoadView:
-        local = self._local.get(worker, _Local())
-        if self._peers.get(worker):
-            peers = self._peer_sum(worker)
-            local = _Local(
-                local.requests + peers.requests,
-                local.prefill_tokens + peers.prefill_tokens,
-                local.decode_blocks + peers.decode_blocks,
-            )
+        known = self.known(worker)
         s = self._scraped.get(worker)
         if s is None:
-            return LoadView(local.requests, local.prefill_tokens, local.decode_blocks)
+            return LoadView(known.requests, known.prefill_tokens, known.decode_blocks)
         return LoadView(
-            local.requests + round(s.others_requests),
-            local.prefill_tokens,
-            local.decode_blocks + s.others_blocks,
+            known.requests + round(s.others_requests),
+            known.prefill_tokens,
+            known.decode_blocks + s.others_blocks,
             s.kv_usage,
         )
 
