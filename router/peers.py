@@ -65,6 +65,7 @@ HEARTBEAT_S = 1.0  # every worker's load republished this often (also: "this rep
 SILENT_S = 3.5  # a replica not heard from this long: its load no longer counts
 LOAD_FLUSH_S = 0.002  # load changes of this long are published as one report per endpoint
 DRAIN_MAX = 10_000  # messages one drain applies at most (a pick must not wait on a flood)
+CATCH_UP_S = 0.02  # between picks, what the peers sent is applied this often
 
 
 async def _own_addresses() -> set[str]:
@@ -177,9 +178,9 @@ class PlacementLink:
             if self.peers_dns:
                 await self.resolve()
                 self._dns_task = asyncio.create_task(self._watch_dns())
-            self._task = asyncio.create_task(self._receive(self._sub))
-            # the same socket read synchronously (drain), next to the receive task
+            # read synchronously (drain): before each pick, and on a timer between them
             self._sub_now = zmq.Socket.shadow(self._sub.underlying)
+            self._task = asyncio.create_task(self._catch_up())
         self._tick_task = asyncio.create_task(self._tick())
 
     def _pub_socket(self, endpoint: str) -> zmq.asyncio.Socket:
@@ -297,8 +298,17 @@ class PlacementLink:
         self._on_peers(len(self.heard))
 
     async def _receive(self, sub: zmq.asyncio.Socket) -> None:
-        while True:  # woken once for whatever arrived, then all of it read at once
+        """A relay wakes for whatever arrived (the other replicas wait on it)."""
+        while True:
             await sub.poll()
+            self.drain()
+
+    async def _catch_up(self) -> None:
+        """Every pick drains first (`drain`), so between picks the peers' messages are read
+        on a timer, not woken for one by one: measured at concurrency 1 between two
+        processes, waking per message cost the idle one ~0.3 ms of CPU per request."""
+        while True:
+            await asyncio.sleep(CATCH_UP_S)
             self.drain()
 
     def drain(self) -> int:
