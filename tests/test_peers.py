@@ -41,9 +41,20 @@ def fleet_of(**modes: str) -> FleetState:
 
 
 def test_wire_round_trip_and_malformed_frames() -> None:
-    worker, hashes = decode(encode("10.0.0.1:8000", H))
-    assert worker == "10.0.0.1:8000" and list(hashes) == list(H)
-    for frames in ([b"w"], [b"w", b"123"], [b"w", b"", b"x"], [b"\xff\xfe", b""]):
+    placed = decode(encode([("10.0.0.1:8000", H), ("10.0.0.2:8000", H[:2])]))
+    assert [(w, list(h)) for w, h in placed] == [("10.0.0.1:8000", H), ("10.0.0.2:8000", H[:2])]
+    one = encode([("w", H)])
+    assert [(w, list(h)) for w, h in decode(one[1:])] == [("w", H)]  # a lone pair, as before
+    for frames in (
+        [b"w"],
+        [b"w", b"123"],
+        [b"w", b"", b"x"],
+        [b"\xff\xfe", b""],
+        [b"placements"],
+        [b"placements", b"w"],
+        [*one, b"w", b"1234567"],
+        [b"x", b"", b"y", b""],  # untagged pairs beyond one: not a message anyone sends
+    ):
         with pytest.raises((ValueError, UnicodeDecodeError)):
             decode(frames)
 
@@ -52,25 +63,32 @@ def test_a_placement_becomes_a_prediction_or_an_approximate_entry() -> None:
     fleet = fleet_of(ev=EVENTS, ap=APPROX)
     seen: list[str] = []
     link = PlacementLink(fleet, None, [], on_result=seen.append)
-    assert link.apply(encode("ev", H)) == "applied"
+    assert link.apply(encode([("ev", H), ("ap", H[:2]), ("gone:1", H)])) == [
+        "applied",
+        "applied",
+        "unknown_worker",
+    ]
     assert fleet.predictions.find_matches(H)["ev"].blocks == len(H)
-    assert link.apply(encode("ap", H[:2])) == "applied"
     assert fleet.approx.find_matches(H)["ap"].blocks == 2
-    assert link.apply(encode("gone:1", H)) == "unknown_worker"
-    assert link.apply([b"ev"]) == "malformed"
+    assert link.apply([b"ev"]) == ["malformed"]
     assert seen == ["applied", "applied", "unknown_worker", "malformed"]
     assert "gone:1" not in fleet.predictions.find_matches(H)
 
 
 def test_load_wire_round_trip_and_malformed_reports() -> None:
-    frames = encode_load(b"\x01" * 8, "10.0.0.1:8000", PeerLoad(3, 200, 17))
-    assert decode_load(frames) == ("01" * 8, "10.0.0.1:8000", PeerLoad(3, 200, 17))
-    bad = encode_load(b"r", "w", PeerLoad(1, 1, 1))
-    for frames in (bad[:3], [b"lode", *bad[1:]], [*bad[:3], b"\0" * 23]):
+    frames = encode_load(
+        b"\x01" * 8, [("10.0.0.1:8000", PeerLoad(3, 200, 17)), ("b", PeerLoad(0, 0, 1))]
+    )
+    assert decode_load(frames) == (
+        "01" * 8,
+        [("10.0.0.1:8000", PeerLoad(3, 200, 17)), ("b", PeerLoad(0, 0, 1))],
+    )
+    bad = encode_load(b"r", [("w", PeerLoad(1, 1, 1))])
+    for frames in (bad[:3], [b"lode", *bad[1:]], [*bad[:3], b"\0" * 23], [*bad, b"w"], bad[:2]):
         with pytest.raises(ValueError):
             decode_load(frames)
     with pytest.raises(ValueError, match="negative"):
-        decode_load(encode_load(b"r", "w", PeerLoad(-1, 0, 0)))
+        decode_load(encode_load(b"r", [("w", PeerLoad(-1, 0, 0))]))
 
 
 def test_peer_load_counts_once_next_to_the_scrape() -> None:
@@ -142,10 +160,10 @@ def test_a_load_report_is_counted_and_a_silent_replica_forgotten() -> None:
     fleet = fleet_of(w=EVENTS)
     heard: list[int] = []
     link = PlacementLink(fleet, None, [], on_peers=heard.append)
-    assert link.apply(encode_load(b"\xaa" * 8, "w", PeerLoad(5, 0, 0)), now=100.0) == "load"
+    report = encode_load(b"\xaa" * 8, [("w", PeerLoad(5, 0, 0)), ("gone:1", PeerLoad(1, 0, 0))])
+    assert link.apply(report, now=100.0) == ["load", "unknown_worker"]
     assert fleet.load.view("w").requests == 5 and heard == [1]
-    assert link.apply(encode_load(b"\xaa" * 8, "gone:1", PeerLoad(1, 0, 0))) == "unknown_worker"
-    assert link.apply([b"load", b"x", b"w", b"short"]) == "malformed"
+    assert link.apply([b"load", b"x", b"w", b"short"]) == ["malformed"]
     link.expire(100.0 + SILENT_S - 0.1)
     assert fleet.load.view("w").requests == 5
     link.expire(100.0 + SILENT_S)
@@ -186,10 +204,13 @@ async def test_drain_applies_what_arrived_before_the_receive_task_runs() -> None
         await until(lambda: b.counts["load"] > 0, within_s=5)  # a's heartbeat: joined
         assert b._sub_now is not None
         a.sent("w", H)
+        a.sent("w", H[:1])  # placed in the same turn: one message
+        a.flush()  # what the next turn of a's event loop does
         assert b._sub_now.poll(2000)  # delivered; the loop is blocked, so not yet applied
         assert "w" not in b_fleet.predictions.find_matches(H)
         assert b.drain() == 1 and b.drain() == 0
         assert b_fleet.predictions.find_matches(H)["w"].blocks == len(H)
+        assert b.counts["applied"] == 2
     finally:
         await a.stop()
         await b.stop()
