@@ -254,16 +254,6 @@ class PrefixIndex:
         res = res if res is not None else ApplyResult()
         self._store(self._wid(name), engine_hashes, router_hashes, parent, tier, res, count_copies)
 
-    def store_chain(
-        self, name: str, router_hashes: Sequence[RouterBlockHash], tier: str = DEFAULT_TIER
-    ) -> ApplyResult:
-        """Record that a worker holds a request's chain from its first block, for workers
-        that publish no events: their blocks are known by router hash alone (the TTL index).
-        Storing a held block again only refreshes it."""
-        res = ApplyResult()
-        self._store(self._wid(name), router_hashes, router_hashes, None, tier, res, False)
-        return res
-
     def _store(
         self,
         wid: int,
@@ -289,14 +279,6 @@ class PrefixIndex:
         """Drop blocks by engine hash from one tier (a BlockRemoved without the event)."""
         res = res if res is not None else ApplyResult()
         self._remove(self._wid(name), engine_hashes, tier, res)
-        return res
-
-    def forget_chain(
-        self, name: str, router_hashes: Sequence[RouterBlockHash], tier: str = DEFAULT_TIER
-    ) -> ApplyResult:
-        """Drop blocks recorded by `store_chain`, by router hash."""
-        res = ApplyResult()
-        self._remove(self._wid(name), router_hashes, tier, res)
         return res
 
     def _remove(self, wid: int, ids: Sequence[int], tier: str, res: ApplyResult) -> None:

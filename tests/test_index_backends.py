@@ -140,14 +140,6 @@ class BackendsAgree(RuleBasedStateMachine):
         self.both("remove_worker", w)
         self.both("add_worker", w)
 
-    @rule(w=st.sampled_from(WORKERS), seq_i=st.integers(0, 2), n=st.integers(1, 6))
-    def store_chain(self, w: str, seq_i: int, n: int) -> None:
-        self.both("store_chain", w, self.hashes(seq_i)[:n])
-
-    @rule(w=st.sampled_from(WORKERS), seq_i=st.integers(0, 2), start=st.integers(0, 5))
-    def forget_chain(self, w: str, seq_i: int, start: int) -> None:
-        self.both("forget_chain", w, self.hashes(seq_i)[start:])
-
     def hashes(self, seq_i: int) -> list[RouterBlockHash]:
         tokens = [t for b in self.chain(seq_i) for t in b]
         return hash_request(tokens, BS, Namespace())

@@ -154,17 +154,6 @@ def test_wide_engine_ids(backend: str) -> None:
     index.verify()
 
 
-def test_chains_known_by_router_hash(backend: str) -> None:
-    """Workers that publish no events (the TTL index) store and forget by router hash."""
-    index = fleet(backend, "a")
-    res = index.store_chain("a", q(A))
-    assert res.stored == 4 and index.store_chain("a", q(A)[:2]).stored == 0
-    assert index.find_matches(q(A)) == {"a": Overlap(4, {"GPU": 4})}
-    assert index.forget_chain("a", q(A)[2:]).removed == 2
-    assert index.find_matches(q(A)) == {"a": Overlap(2, {"GPU": 2})}
-    index.verify()
-
-
 def test_default_bound_is_the_routers() -> None:
     assert PrefixIndex().max_entries == DEFAULT_MAX_ENTRIES == Config().max_index_entries
 
