@@ -88,13 +88,15 @@ def diagnose(w: Workload, target: Any, seed: int) -> float:
 
 
 def _explained(one: Any) -> Any:
-    async def wrapped(client: httpx.AsyncClient, url: str, r: Request) -> Sample:
+    async def wrapped(
+        client: httpx.AsyncClient, url: str, r: Request, model: str = driver.MODEL
+    ) -> Sample:
         token = {"authorization": f"Bearer {os.environ['KVROUTE_ADMIN_TOKEN']}"}
         doc = (
             await client.post(f"{url}/debug/route", json={"prompt": r.prompt}, headers=token)
         ).json()
         await _compare_belief(client, doc, r.prompt)
-        sample: Sample = await one(client, url, r)
+        sample: Sample = await one(client, url, r, model)
         DECISIONS.append((r, doc, sample))
         return sample
 
