@@ -10,13 +10,12 @@ expire in the order they were made, so a FIFO of records per worker is already s
 expiry; a block refreshed by a later record keeps living until that record's time (its newest
 expiry is kept per block).
 
-A record refreshes only what is not already fresh (living within `REFRESH_SLACK` of the TTL):
-a burst of one prompt costs one record, and a shared prefix with a new tail costs the tail,
-which joins the record of its prefix and lives as long (a block is no use without its
-prefix). So along any chain a block never outlives its prefix, and the live blocks of a chain
-are a leading run: `record` bisects the fresh run and `find_matches` each worker's run, with
-a few dict lookups per worker instead of a second, compiled index (whose store and removal
-cost ~0.13 ms per 2k-token prompt at the cap).
+A record refreshes its whole chain, prefix and all, unless the chain's last block already
+lives within `REFRESH_SLACK` of the TTL (a burst of one prompt costs one record). So along any
+chain a block never outlives its prefix, and the live blocks of a chain are a leading run:
+`find_matches` bisects each worker's run with a few dict lookups per worker instead of asking
+a second, compiled index (whose store and removal cost ~0.13 ms per 2k-token prompt at the
+cap).
 
 Bounded per worker: a worker whose entries pass its cap (its KV capacity when known, like the
 exact index's; `DEFAULT_WORKER_CAP` blocks until then) forgets its oldest records first, as
@@ -33,11 +32,9 @@ only: the garbage collector stops tracking them).
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import chain
 
 from indexer.clock import Clock
 from indexer.events import DEFAULT_TIER
@@ -55,9 +52,8 @@ class _Worker:
     """One worker's records (oldest first) and the newest expiry of each block."""
 
     cap: int
-    records: deque[tuple[float, list[tuple[int, ...]]]] = field(default_factory=deque)
+    records: deque[tuple[float, tuple[int, ...]]] = field(default_factory=deque)
     expiry: dict[int, float] = field(default_factory=dict)
-    by_until: dict[float, list[tuple[int, ...]]] = field(default_factory=dict)  # records by time
 
 
 class TtlIndex:
@@ -97,49 +93,18 @@ class TtlIndex:
         self.expire()
         until = self._clock.now() + self.ttl_s
         w = self._worker(worker)
-        if w.records and until <= w.records[-1][0]:
-            # one record per time, so a tail finds its prefix's record by its expiry
-            until = math.nextafter(w.records[-1][0], math.inf)
-        k = self._fresh_run(w, router_hashes, until - self.ttl_s * REFRESH_SLACK)
-        if k == len(router_hashes):
-            return  # refreshed a moment ago: a burst of the same prompt costs nothing
-        if k:
-            # The rest of the chain joins the record of its fresh prefix and lives as long
-            # (a block is no use without its prefix): a shared prefix with a new tail costs
-            # the tail, not the whole chain.
-            parent = router_hashes[k - 1]
-            self._add(w, w.expiry[parent], router_hashes[k:])
-            if parent in w.expiry:
-                return
-            # that record was the oldest past the cap and went: record the chain afresh
-        self._add(w, until, router_hashes)
-
-    @staticmethod
-    def _fresh_run(w: _Worker, hashes: Sequence[RouterBlockHash], fresh_from: float) -> int:
-        """How many leading blocks already live past `fresh_from`. Along a chain a block
-        never outlives its prefix (a record covers a chain from its first block; a tail
-        joins its prefix's record), so the fresh blocks are a leading run: bisect it."""
-        expiry = w.expiry
-        lo, hi = 0, len(hashes)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if expiry.get(hashes[mid], 0.0) >= fresh_from:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo
-
-    def _add(self, w: _Worker, until: float, hashes: Sequence[RouterBlockHash]) -> None:
-        """Give `hashes` expiry `until`, in the record of that time (made when new)."""
+        if w.expiry.get(router_hashes[-1], 0.0) >= until - self.ttl_s * REFRESH_SLACK:
+            return  # refreshed a moment ago (and so its prefix): a burst costs one record
+        # The whole chain is refreshed, prefix and all, into the newest record: at the cap
+        # the oldest records go first, so a prefix in use must not stay in an old one
+        # (measured: tails joining their prefix's older record let the cap drop a long
+        # document's prediction while in use, and long-short-mix's TTFT p90 went 110-147
+        # -> 277-312 ms as a second long document was placed on its worker).
         before = len(w.expiry)
-        w.expiry.update(dict.fromkeys(hashes, until))
+        w.expiry.update(dict.fromkeys(router_hashes, until))
         self._entries += len(w.expiry) - before
-        parts = w.by_until.get(until)
-        if parts is None:
-            parts = w.by_until[until] = []
-            w.records.append((until, parts))
-            self._next = min(self._next, w.records[0][0])
-        parts.append(tuple(hashes))
+        w.records.append((until, tuple(router_hashes)))
+        self._next = min(self._next, w.records[0][0])
         self._trim(w)
 
     def _worker(self, worker: str) -> _Worker:
@@ -168,10 +133,9 @@ class TtlIndex:
 
     def _drop(self, w: _Worker) -> int:
         """Forget the worker's oldest record: its blocks no later record refreshed."""
-        until, parts = w.records.popleft()
-        del w.by_until[until]
+        until, hashes = w.records.popleft()
         get, pop = w.expiry.get, w.expiry.pop
-        gone = [rh for rh in chain.from_iterable(parts) if get(rh) == until]
+        gone = [rh for rh in hashes if get(rh) == until]
         for rh in gone:
             pop(rh)
         self._entries -= len(gone)
@@ -179,7 +143,7 @@ class TtlIndex:
 
     def find_matches(self, router_hashes: Sequence[RouterBlockHash]) -> dict[str, Overlap]:
         """Per worker, the leading blocks of the chain it holds: along a chain the live
-        blocks are a leading run (see `_fresh_run`), so each worker's is bisected."""
+        blocks are a leading run (see the module's doc), so each worker's is bisected."""
         self.expire()
         out: dict[str, Overlap] = {}
         if not router_hashes:

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
@@ -96,34 +95,16 @@ STEPS = st.lists(
 @settings(max_examples=300, deadline=None)
 @given(STEPS, st.integers(4, 40), st.integers(2, 12))
 def test_matches_a_dict_of_expiries(steps: list[tuple[Any, ...]], bound: int, cap: int) -> None:
-    """Per (worker, block) an expiry: a record gives its chain now + TTL, except a leading
-    run of blocks already living within 1% of that (not refreshed), after which the rest joins
-    that run's record and expiry (unless the cap then drops that record: the chain afresh); a
-    worker's oldest records dropped past its cap or the bound. find_matches says the longest
-    leading run of live blocks per worker. The model scans where the index bisects."""
+    """Per (worker, block) the newest record's expiry; a record whose last block already
+    lives within 1% of the TTL is skipped; a worker's oldest records dropped past its cap or
+    the bound. find_matches says the longest leading run of live blocks per worker (the
+    model scans where the index bisects)."""
     clock = FakeClock()
     ttl = TtlIndex(clock, ttl_s=5, max_entries=bound)
     ttl.set_worker_cap("b", cap)
     caps = {"a": 1 << 16, "b": cap}
     live: dict[tuple[str, int], float] = {}
     records: dict[str, list[tuple[float, list[int]]]] = {"a": [], "b": []}
-
-    def add(worker: str, until: float, hashes: list[int]) -> None:
-        live.update({(worker, h): until for h in hashes})
-        mine = records[worker]
-        same = [r for r in mine if r[0] == until]
-        if same:
-            same[0][1].extend(hashes)  # a tail joining its prefix's record
-        else:
-            mine.append((until, list(hashes)))
-        while len(mine) > 1 and (
-            sum(k[0] == worker for k in live) > caps[worker] or len(live) > bound
-        ):
-            old, hs = mine.pop(0)
-            for h in hs:
-                if live.get((worker, h)) == old:
-                    del live[(worker, h)]
-
     for step in steps:
         if step[0] == "advance":
             clock.advance(step[1])
@@ -132,16 +113,17 @@ def test_matches_a_dict_of_expiries(steps: list[tuple[Any, ...]], bound: int, ca
             hashes = CHAINS[chain][:n]
             ttl.record(worker, hashes)
             until = clock.now() + 5
-            if records[worker] and until <= records[worker][-1][0]:
-                until = math.nextafter(records[worker][-1][0], math.inf)
-            k = 0
-            while k < n and live.get((worker, hashes[k]), -1.0) >= until - 5 * 0.01:
-                k += 1
-            if k < n:
-                if k:
-                    add(worker, live[(worker, hashes[k - 1])], hashes[k:])
-                if not k or (worker, hashes[k - 1]) not in live:
-                    add(worker, until, hashes)
+            if live.get((worker, hashes[-1]), -1.0) < until - 5 * 0.01:
+                live.update({(worker, h): until for h in hashes})
+                mine = records[worker]
+                mine.append((until, hashes))
+                while len(mine) > 1 and (
+                    sum(k[0] == worker for k in live) > caps[worker] or len(live) > bound
+                ):
+                    old, hs = mine.pop(0)
+                    for h in hs:
+                        if live.get((worker, h)) == old:
+                            del live[(worker, h)]
         now = clock.now()
         for key in [k for k, v in live.items() if v <= now]:
             del live[key]
@@ -161,23 +143,19 @@ def test_matches_a_dict_of_expiries(steps: list[tuple[Any, ...]], bound: int, ca
         assert ttl.entries_of("a") == sum(k[0] == "a" for k in live)
 
 
-def test_a_shared_prefix_with_a_new_tail_joins_the_prefix_record() -> None:
-    """A tail after a prefix recorded a moment ago lives as long as that prefix; once the
-    prefix is older than the slack, the whole chain is refreshed."""
+def test_a_prefix_in_use_outlives_older_records_at_the_cap() -> None:
+    """A new tail on a prefix recorded a moment ago refreshes the prefix too, so at the cap
+    the prefix is not what goes (the long document a worker is serving stays believed)."""
     clock = FakeClock()
     ttl = TtlIndex(clock, ttl_s=100)
+    ttl.set_worker_cap("a", 6)
     other = hash_request(list(range(24)) + [999] * 8, 8, Namespace())  # H's first 3, new 4th
-    ttl.record("a", H[:3])
-    clock.advance(0.5)  # within 1% of the TTL
-    ttl.record("a", other)
-    assert ttl.find_matches(other) == {"a": Overlap(4, {"GPU": 4})} and len(ttl) == 4
-    clock.advance(99.6)  # 100.1 s after the prefix: the tail went with it
-    assert ttl.find_matches(other) == {} and len(ttl) == 0
-    ttl.record("a", H[:3])
-    clock.advance(2)  # beyond 1%: the chain refreshed whole
-    ttl.record("a", other)
-    clock.advance(99)
+    ttl.record("a", H)
+    clock.advance(0.1)  # within 1% of the TTL
+    ttl.record("a", other)  # H[:3] fresh, the 4th new: the whole chain again
+    ttl.record("a", hash_request(list(range(500, 516)), 8, Namespace()))  # 7 > 6: H's goes
     assert ttl.find_matches(other) == {"a": Overlap(4, {"GPU": 4})}
+    assert ttl.find_matches(H) == {"a": Overlap(3, {"GPU": 3})} and len(ttl) == 6
 
 
 def test_a_workers_capacity_bounds_what_is_believed_of_it() -> None:
