@@ -100,10 +100,11 @@ class TtlIndex:
         # (measured: tails joining their prefix's older record let the cap drop a long
         # document's prediction while in use, and long-short-mix's TTFT p90 went 110-147
         # -> 277-312 ms as a second long document was placed on its worker).
+        chain = tuple(router_hashes)  # one int object per hash, the dict's and the record's
         before = len(w.expiry)
-        w.expiry.update(dict.fromkeys(router_hashes, until))
+        w.expiry.update(dict.fromkeys(chain, until))
         self._entries += len(w.expiry) - before
-        w.records.append((until, tuple(router_hashes)))
+        w.records.append((until, chain))
         self._next = min(self._next, w.records[0][0])
         self._trim(w)
 
