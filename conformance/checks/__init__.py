@@ -8,6 +8,7 @@ from conformance.checks import (
     chaining,
     fidelity,
     fleet,
+    metrics,
     pd,
     replay,
     routing_quality,
@@ -21,6 +22,7 @@ RUN_ORDER = (
     "chaining",
     "wire-format",
     "tokenizer",
+    "metrics",
     "index-fidelity",
     "replay",
     "routing-quality",
@@ -36,7 +38,7 @@ def registry() -> dict[str, Check]:
 
 
 __all__ = ["RUN_ORDER", "chaining", "faults", "fidelity", "fleet", "registry", "replay"]
-__all__ += ["tokenizer"]
+__all__ += ["metrics", "tokenizer"]
 __all__ += ["wire_format"]
 __all__ += ["pd"]
 __all__ += ["routing_quality"]

@@ -3,12 +3,14 @@ cache config and load (`/metrics`). Parsing only; the calls live in `router.work
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 from urllib.parse import urlsplit
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines.base import EngineMetrics, EventSource, RankLoad
+from engines.vllm.metrics_text import Sample, Unparsed, wanted_samples
 
 
 def event_sources(doc: Any, worker_url: str) -> list[EventSource]:
@@ -70,21 +72,44 @@ def _connectable(endpoint: str, host: str) -> str:
 
 def parse_metrics(text: str) -> EngineMetrics:
     """The vLLM gauges the router blends into its load view, summed over label sets, and
-    split per data-parallel rank (the `engine` label) where the engine runs several."""
+    split per data-parallel rank (the `engine` label) where the engine runs several. Only
+    the wanted lines are read (`metrics_text`); a page whose wanted lines are unusual goes
+    through prometheus_client's full parser instead."""
+    try:
+        return _metrics(list(wanted_samples(text, READ_METRICS)))
+    except Unparsed:
+        return parse_metrics_full(text)
+
+
+def parse_metrics_full(text: str) -> EngineMetrics:
+    """`parse_metrics` by prometheus_client's parser alone (raises ValueError on a bad page):
+    the reference the fast path is held to."""
+    return _metrics(full_samples(text))
+
+
+def full_samples(text: str) -> list[Sample]:
+    """The samples the router reads, by prometheus_client's parser."""
+    return [
+        (s.name, dict(s.labels), s.value)
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name in READ_METRICS
+    ]
+
+
+def _metrics(samples: Iterable[Sample]) -> EngineMetrics:
     values: dict[str, float] = {}
     ranks: dict[int, dict[str, float]] = {}
     info: dict[str, str] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            name = sample.name
-            if name == "vllm:cache_config_info":
-                info = dict(sample.labels)
-            elif name in _WANTED:
-                values[name] = values.get(name, 0.0) + sample.value
-                rank = _int(sample.labels.get("engine"))
-                if rank is not None:
-                    mine = ranks.setdefault(rank, {})
-                    mine[name] = mine.get(name, 0.0) + sample.value
+    for name, labels, value in samples:
+        if name == _INFO:
+            info = labels
+        else:
+            values[name] = values.get(name, 0.0) + value
+            rank = _int(labels.get("engine"))
+            if rank is not None:
+                mine = ranks.setdefault(rank, {})
+                mine[name] = mine.get(name, 0.0) + value
     by_rank = {
         r: RankLoad(
             v.get("vllm:num_requests_running", 0.0),
@@ -115,6 +140,8 @@ _WANTED = {
     "vllm:prefix_cache_queries_total",
     "vllm:prefix_cache_hits_total",
 }
+_INFO = "vllm:cache_config_info"
+READ_METRICS = frozenset(_WANTED | {_INFO})  # every sample name the router reads
 
 
 def _int(raw: str | None) -> int | None:

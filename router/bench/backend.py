@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 import httptools
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 MODEL = "kvroute-sim"
 COMPLETION = json.dumps(
@@ -66,13 +67,49 @@ MODELS = json.dumps(
         ],
     }
 ).encode()
-METRICS = (
-    b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 0.0\n"
-    b"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0.0\n"
-    b"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.0\n"
-    b'# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{block_size="16",'
-    b'enable_prefix_caching="True",num_gpu_blocks="100000",prefix_caching_hash_algo="sha256"} 1.0\n'
-)
+
+
+def _metrics_page() -> bytes:
+    """A page shaped like vLLM 0.32's /metrics: the gauges and counters a router reads among
+    the request histograms it does not (~400 lines; the real engine's page is longer, the
+    conformance `metrics` check notes its size), so the bench pays for scrapes as a real
+    fleet makes the router pay."""
+    r = CollectorRegistry()
+    lv = ("model_name", "engine")
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        Gauge(f"vllm:{name}", name, lv, registry=r).labels(MODEL, "0").set(0)
+    counters = ("prompt_tokens", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits")
+    for name in (*counters, "num_preemptions"):
+        Counter(f"vllm:{name}", name, lv, registry=r).labels(MODEL, "0").inc(1000)
+    done = Counter("vllm:request_success", "ok", [*lv, "finished_reason"], registry=r)
+    for reason in ("stop", "length", "abort", "error"):
+        done.labels(MODEL, "0", reason).inc()
+    seconds = [0.001 * 2**k for k in range(20)]
+    tokens = [2**k for k in range(1, 18)]
+    for name, buckets in (
+        ("time_to_first_token_seconds", seconds),
+        ("inter_token_latency_seconds", seconds),
+        ("request_time_per_output_token_seconds", seconds),
+        ("e2e_request_latency_seconds", seconds),
+        ("request_queue_time_seconds", seconds),
+        ("request_inference_time_seconds", seconds),
+        ("request_prefill_time_seconds", seconds),
+        ("request_decode_time_seconds", seconds),
+        ("request_prompt_tokens", tokens),
+        ("request_generation_tokens", tokens),
+        ("request_params_max_tokens", tokens),
+        ("request_max_num_generation_tokens", tokens),
+        ("iteration_tokens_total", tokens),
+        ("request_params_n", [1, 2, 5, 10, 20]),
+    ):
+        Histogram(f"vllm:{name}", name, lv, buckets=buckets, registry=r).labels(MODEL, "0")
+    info = ("block_size", "enable_prefix_caching", "num_gpu_blocks", "prefix_caching_hash_algo")
+    cache = Gauge("vllm:cache_config_info", "CacheConfig", info, registry=r)
+    cache.labels("16", "True", "100000", "sha256").set(1)
+    return generate_latest(r)
+
+
+METRICS = _metrics_page()
 INFO = json.dumps(
     {
         "model_path": MODEL,
