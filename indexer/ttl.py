@@ -43,6 +43,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from indexer.clock import Clock
 from indexer.events import DEFAULT_TIER
@@ -55,7 +56,8 @@ REFRESH_SLACK = 0.01  # a chain re-recorded within 1% of the TTL keeps its expir
 DEFAULT_WORKER_CAP = 1 << 16  # blocks, until the worker's KV capacity is known
 
 
-_Record = list  # [until, tuple of the block hashes it owns]: mutable, cut down as it loses them
+# [until, tuple of the block hashes it owns]: mutable, cut down as it loses them
+_Record = list[Any]
 
 
 @dataclass
