@@ -71,6 +71,14 @@ class _Worker:
     by_until: dict[float, list[_Record]] = field(default_factory=dict)
 
 
+def _index_by_until(w: _Worker, until: float, recs: list[_Record]) -> None:
+    """The records that may own blocks expiring at `until` are now `recs` (none: gone)."""
+    if recs:
+        w.by_until[until] = recs
+    else:
+        w.by_until.pop(until, None)
+
+
 class TtlIndex:
     """A prefix index whose entries expire, oldest first, on an injected clock, within a
     cap per worker and `max_entries` in all (past either, the oldest records go early)."""
@@ -143,11 +151,8 @@ class TtlIndex:
         get = w.expiry.get
         for rec in recs:
             rec[1] = tuple([rh for rh in rec[1] if get(rh) == until])
-        kept = [rec for rec in recs if rec[1]]
-        if kept:
-            w.by_until[until] = kept
-        else:
-            del w.by_until[until]  # empty records stay queued (tiny) until their turn
+        # records cut empty leave this table but stay queued (tiny) until their turn
+        _index_by_until(w, until, [rec for rec in recs if rec[1]])
 
     def _worker(self, worker: str) -> _Worker:
         w = self._workers.get(worker)
@@ -178,15 +183,8 @@ class TtlIndex:
         record = w.records.popleft()
         until, hashes = record
         recs = w.by_until.get(until)
-        if recs is not None:
-            if len(recs) == 1 and recs[0] is record:
-                del w.by_until[until]
-            else:  # records made in the same clock tick (or this one already cut empty)
-                kept = [rec for rec in recs if rec is not record]
-                if kept:
-                    w.by_until[until] = kept
-                else:
-                    del w.by_until[until]
+        if recs is not None:  # others may share its expiry (made in the same clock tick)
+            _index_by_until(w, until, [rec for rec in recs if rec is not record])
         get, pop = w.expiry.get, w.expiry.pop
         gone = [rh for rh in hashes if get(rh) == until]
         for rh in gone:
