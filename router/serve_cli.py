@@ -46,6 +46,7 @@ _TUNING: tuple[tuple[str, str, type, str], ...] = (
     ("--first-byte-timeout", "first_byte_timeout_s", float, "a stream's first chunk"),
     ("--inter-chunk-timeout", "inter_chunk_timeout_s", float, "between a stream's chunks"),
     ("--connect-timeout", "connect_timeout_s", float, "connecting to a worker"),
+    ("--warm-connections", "warm_connections", int, "idle connections kept per worker"),
     ("--health-timeout", "health_timeout_s", float, "a worker's /health probe"),
     ("--eject-after-timeouts", "eject_after_timeouts", int, "timeouts in a row that eject"),
     ("--header-timeout", "header_timeout_s", float, "a client's request head"),

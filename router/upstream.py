@@ -254,6 +254,29 @@ class UpstreamPool:
             return
         idle.append(conn)
 
+    def idle(self, host: str, port: int, tls: bool = False) -> int:
+        """Open connections to the worker waiting for a request."""
+        return sum(1 for c in self._idle.get((host, port, tls), ()) if c.usable())
+
+    async def keep_warm(self, host: str, port: int, tls: bool, n: int) -> int:
+        """Top the worker's idle connections up to `n`, so that requests find one open (the
+        engine closes idle ones after its keep-alive timeout: called every second, this
+        replaces them). Returns how many were opened; a worker that refuses is left to
+        the health checks."""
+        key = (host, port, tls)
+        idle = [c for c in self._idle.get(key, ()) if c.usable()]
+        self._idle[key] = idle
+        missing = min(n, self.max_idle) - len(idle)
+        if missing <= 0:
+            return 0
+        made = await asyncio.gather(
+            *(self._connect(host, port, tls) for _ in range(missing)), return_exceptions=True
+        )
+        opened = [c for c in made if isinstance(c, _Conn)]
+        for conn in opened:
+            self._release(key, conn)
+        return len(opened)
+
     async def request(
         self,
         host: str,

@@ -45,6 +45,7 @@ def args(**kw: object) -> argparse.Namespace:
         ({"workers": [{"url": "http://a:1", "events": "a:5557"}]}, "workers[0].events"),
         ({"workers": ["http://a:1"], "block_size": 0}, "block_size"),
         ({"workers": ["http://a:1"], "approx_ttl_s": -1}, "approx_ttl_s"),
+        ({"workers": ["http://a:1"], "warm_connections": -1}, "warm_connections"),
         ({"workers_dns": "no-port"}, "workers_dns"),
     ],
     ids=[
@@ -56,6 +57,7 @@ def args(**kw: object) -> argparse.Namespace:
         "events-scheme",
         "block-size",
         "ttl",
+        "warm",
         "dns",
     ],
 )

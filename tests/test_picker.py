@@ -88,11 +88,14 @@ def test_new_prefix_goes_where_the_cache_has_room() -> None:
     assert d.best.raw["headroom"] > d.score_of("w0").raw["headroom"]
 
 
+FULL = {"placement": {"room": 0}}  # as if every cache were short of room
+
+
 def test_new_prefixes_are_homed_by_recent_demand_not_by_the_load_of_the_moment() -> None:
-    """w0's cache stored three prefixes lately, w1's one, and w1 is running a request: a new
-    prefix goes to w1, the cache with less demand, though w1 is the busier now; a repeat
-    still follows its prefix."""
-    c = core()
+    """Caches short of room: w0's cache stored three prefixes lately, w1's one, and w1 is
+    running a request: a new prefix goes to w1, the cache with less demand, though w1 is
+    the busier now; a repeat still follows its prefix."""
+    c = core(params=FULL)
     for s in range(3):
         store(c, "w0", prompt(20 + s))
     store(c, "w1", prompt(30))
@@ -123,9 +126,10 @@ def test_replicas_agree_on_where_a_new_prefix_goes() -> None:
 
 
 def test_a_burst_of_new_prompts_spreads_though_one_cache_is_less_demanded() -> None:
-    """w1's cache is far less demanded, but new prompts sent at once must not all queue on
-    it: once it runs `slack` (2) more requests than w0, w0 takes the next one."""
-    c = core()
+    """Caches short of room: w1's cache is far less demanded, but new prompts sent at once
+    must not all queue on it: once it runs `slack` (2) more requests than w0, w0 takes the
+    next one."""
+    c = core(params=FULL)
     for s in range(4):
         store(c, "w0", prompt(20 + s))
     placed = []
@@ -134,6 +138,31 @@ def test_a_burst_of_new_prompts_spreads_though_one_cache_is_less_demanded() -> N
         placed.append(d.best.worker)
         c.commit(d, d.best.worker)  # in flight, never finished
     assert placed[:4] == ["w1", "w1", "w1", "w0"]
+
+
+def _hot_and_cold(c: Core) -> Core:
+    """w0 holds a hot prefix and runs four repeats of it (cheap: their prefix is cached);
+    w1 holds three prefixes and runs two cold prompts."""
+    store(c, "w0", prompt(1))
+    for s in range(3):
+        store(c, "w1", prompt(40 + s))
+    for _ in range(4):
+        c.commit(c.route([*prompt(1), 7, 7, 7, 7], NS), "w0")  # the hot prefix + a tail
+    for s in (20, 21):
+        c.commit(c.route(prompt(s), NS), "w1")
+    return c
+
+
+def test_while_caches_have_room_a_new_prefix_avoids_the_worker_a_hot_prefix_keeps_busy() -> None:
+    """w0 has the less prefill queued, the less demanded cache, and is within `slack` of w1's
+    requests: with caches short of room it takes the new prefix. With room (the default:
+    caches far from full), the new prefix goes to w1: its prefill would stall the four
+    requests on w0 and the stream of repeats arriving there."""
+    c = _hot_and_cold(core())
+    assert c.load.view("w0").prefill_tokens < c.load.view("w1").prefill_tokens
+    d = c.route(prompt(99), NS)
+    assert d.best.worker == "w1" and d.best.raw["placement"] == 1.0, d.best
+    assert _hot_and_cold(core(params=FULL)).route(prompt(99), NS).best.worker == "w0"
 
 
 def test_placement_can_be_turned_off() -> None:

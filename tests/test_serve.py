@@ -258,6 +258,32 @@ async def test_hot_prefix_burst_respects_the_load_bound() -> None:
         assert max(counts.values()) - min(counts.values()) <= 4, counts
 
 
+async def test_connections_to_the_workers_are_open_before_requests_need_them() -> None:
+    """A burst must not connect on the request path: at start-up each worker gets
+    `warm_connections` idle connections, a request takes one (connecting nothing), and
+    connections the engine closes (its keep-alive timeout) are replaced within a second."""
+    async with kvroute(warm_connections=3) as s:
+        up = s.app.upstream
+        hosts = [(h.host, h.port) for h in s.app.pool.handles.values()]
+        assert [up.idle(*hp) for hp in hosts] == [3, 3]
+        r = await complete(s.client, DOC + " warm")
+        assert r.status_code == 200, r.text
+        assert sum(up.idle(*hp) for hp in hosts) == 6  # the used one went back, no new one
+        for conns in up._idle.values():  # as the engine's keep-alive timeout does
+            for c in conns:
+                assert c.transport is not None
+                c.transport.close()
+        await asyncio.sleep(0)
+        assert sum(up.idle(*hp) for hp in hosts) == 0
+        for _ in range(300):  # the top-up runs every second
+            if [up.idle(*hp) for hp in hosts] == [3, 3]:
+                break
+            await asyncio.sleep(0.01)
+        assert [up.idle(*hp) for hp in hosts] == [3, 3]
+    async with kvroute(warm_connections=0) as s:
+        assert all(s.app.upstream.idle(h.host, h.port) == 0 for h in s.app.pool.handles.values())
+
+
 async def test_models_union_and_ready() -> None:
     async with kvroute() as s:
         assert (await s.client.get("/ready")).json() == {"ready": True}

@@ -64,6 +64,10 @@ class PlacementParams:
     # only workers running at most this many requests more than the least loaded may be
     # the winner: a burst of new prompts must not all queue on the least demanded cache
     slack: int = 2
+    # a cache whose recent demand plus the new prompt stays under this fraction of its
+    # size has room: among such caches the new prefix goes where it waits least and
+    # delays fewest requests (0 turns this off: always the least demanded cache)
+    room: float = 0.5
 
 
 class PlacementScorer:
@@ -84,9 +88,16 @@ class PlacementScorer:
     rendezvous hash of the prompt's opening blocks picks one; it scores 1, the others at most
     0.3 (by demand), which with the default weights no load or headroom term overturns. Only
     workers running at most `slack` requests more than the least loaded one take part, so a
-    burst of new prompts spreads instead of queueing on the least demanded cache. For a
-    prompt some worker already holds it is neutral (1 for all) and the prefix credit
-    decides."""
+    burst of new prompts spreads instead of queueing on the least demanded cache.
+
+    Demand matters only where a cache is short of room. While a cache's recent demand plus
+    the new prompt is under `room` of its size, the new prefix goes to the roomy worker
+    where its prefill costs least in time (`_cost`): measured on the hot-prefix workload,
+    the least demanded cache was the hot prefix's worker (its repeats store few blocks), so
+    new prefixes landed there and their cold prefills delayed the hot stream (TTFT p90
+    302 -> 262 ms, p99 399 -> 388, mean 103 -> 93, medians of 5 runs, with the warm
+    upstream connections in both). For a prompt some worker already holds it is neutral (1
+    for all) and the prefix credit decides."""
 
     name = "placement"
 
@@ -95,6 +106,7 @@ class PlacementScorer:
         self.bucket = params.bucket
         self.others = params.others
         self.slack = params.slack
+        self.room = params.room
 
     def score(self, request: ScoreRequest, cands: Sequence[Candidate]) -> dict[str, float]:
         total = max(request.prompt_tokens, 1)
@@ -109,12 +121,31 @@ class PlacementScorer:
 
         least = min(c.load.requests for c in cands)
         free = [c for c in cands if c.load.requests <= least + self.slack]
-        low = min(level(c) for c in free)
-        tied = [c for c in free if level(c) == low]
-        winner = max(tied, key=lambda c: rendezvous(request.key, c.name))
+        roomy = [c for c in free if self._has_room(request, c)]
+        if roomy:
+            winner = min(roomy, key=lambda c: self._cost(request, c, level(c)))
+        else:
+            low = min(level(c) for c in free)
+            tied = [c for c in free if level(c) == low]
+            winner = max(tied, key=lambda c: rendezvous(request.key, c.name))
         out = {c.name: self.others * (1 - c.recent_blocks / most if most else 1) for c in cands}
         out[winner.name] = 1.0
         return out
+
+    def _has_room(self, request: ScoreRequest, c: Candidate) -> bool:
+        need = request.prompt_tokens / c.block_size
+        return bool(c.capacity_blocks) and c.recent_blocks + need <= self.room * c.capacity_blocks
+
+    @staticmethod
+    def _cost(request: ScoreRequest, c: Candidate, level: int) -> tuple[int, int, int]:
+        """Where a new prompt costs least while caches have room, in prefill tokens: it
+        waits for the worker's queued prefills, and its own prefill stalls every request
+        running there and about as many arriving while it runs (engines batch every
+        waiting prefill into one step). A worker serving a stream of repeats of a hot prefix
+        has little prefill queued, but a cold prefill there delays the whole stream. Ties:
+        the less demanded cache, then the rendezvous hash, as replicas agree."""
+        wait = c.load.prefill_tokens + 2 * request.prompt_tokens * c.load.requests
+        return (wait, level, -rendezvous(request.key, c.name))
 
 
 def rendezvous(key: int, worker: str) -> int:
