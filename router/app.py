@@ -186,7 +186,8 @@ class RouterApp:
         if self.peers is not None:
             await self.peers.start()
         await self.pd.start()
-        if self.warm_connections > 0:
+        if self.warm_connections > 0:  # open before the first request can need them
+            await self._top_up()
             self._warm = asyncio.create_task(self._keep_warm(), name="kvroute-warm-connections")
         self.routing.started = True
         for door in self.doors:
@@ -199,17 +200,16 @@ class RouterApp:
     async def _keep_warm(self) -> None:
         """Every second, top each routable worker's idle connections up (`warm_connections`)."""
         while True:
-            handles = [h for h in self.pool.handles.values() if h.available and not h.draining]
+            await asyncio.sleep(1.0)
             try:
-                await asyncio.gather(
-                    *(
-                        self.upstream.keep_warm(h.host, h.port, h.tls, self.warm_connections)
-                        for h in handles
-                    )
-                )
+                await self._top_up()
             except Exception:  # a failing top-up must not end the loop
                 log.exception("keeping connections to the workers open failed")
-            await asyncio.sleep(1.0)
+
+    async def _top_up(self) -> None:
+        handles = [h for h in self.pool.handles.values() if h.available and not h.draining]
+        n = self.warm_connections
+        await asyncio.gather(*(self.upstream.keep_warm(h.host, h.port, h.tls, n) for h in handles))
 
     def start_draining(self) -> None:
         """SIGTERM: /ready turns 503 and every connection closes after its response."""

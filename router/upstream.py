@@ -196,6 +196,7 @@ class UpstreamPool:
         # connections with a request in flight, so that a worker found dead can fail them now
         self._busy: dict[tuple[str, int, bool], set[_Conn]] = {}
         self._tls: ssl.SSLContext | None = None
+        self.connects_on_request = 0  # requests that found no open connection to reuse
 
     def _busy_of(self, key: tuple[str, int, bool]) -> set[_Conn]:
         busy = self._busy.get(key)
@@ -304,6 +305,7 @@ class UpstreamPool:
         reused = conn is not None
         for _ in range(2):
             if conn is None:
+                self.connects_on_request += 1
                 conn = await self._connect(host, port, tls)
             assert conn.transport is not None
             conn.transport.write(data)

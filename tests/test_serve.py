@@ -268,7 +268,7 @@ async def test_connections_to_the_workers_are_open_before_requests_need_them() -
         assert [up.idle(*hp) for hp in hosts] == [3, 3]
         r = await complete(s.client, DOC + " warm")
         assert r.status_code == 200, r.text
-        assert sum(up.idle(*hp) for hp in hosts) == 6  # the used one went back, no new one
+        assert up.connects_on_request == 0  # it took an open one
         for conns in up._idle.values():  # as the engine's keep-alive timeout does
             for c in conns:
                 assert c.transport is not None
@@ -282,6 +282,8 @@ async def test_connections_to_the_workers_are_open_before_requests_need_them() -
         assert [up.idle(*hp) for hp in hosts] == [3, 3]
     async with kvroute(warm_connections=0) as s:
         assert all(s.app.upstream.idle(h.host, h.port) == 0 for h in s.app.pool.handles.values())
+        assert (await complete(s.client, DOC + " cold")).status_code == 200
+        assert s.app.upstream.connects_on_request == 1
 
 
 async def test_models_union_and_ready() -> None:

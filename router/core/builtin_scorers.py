@@ -133,8 +133,10 @@ class PlacementScorer:
         return out
 
     def _has_room(self, request: ScoreRequest, c: Candidate) -> bool:
+        if not c.capacity_blocks:  # unknown size: demand decides, as before it was known
+            return False
         need = request.prompt_tokens / c.block_size
-        return bool(c.capacity_blocks) and c.recent_blocks + need <= self.room * c.capacity_blocks
+        return c.recent_blocks + need <= self.room * c.capacity_blocks
 
     @staticmethod
     def _cost(request: ScoreRequest, c: Candidate, level: int) -> tuple[int, int, int]:
