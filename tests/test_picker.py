@@ -165,6 +165,17 @@ def test_while_caches_have_room_a_new_prefix_avoids_the_worker_a_hot_prefix_keep
     assert _hot_and_cold(core(params=FULL)).route(prompt(99), NS).best.worker == "w0"
 
 
+def test_replicas_place_new_prefixes_by_demand_alone() -> None:
+    """Replicas see each other's in-flight load only milliseconds late, so with peers the
+    cost-while-roomy choice is off unless configured: the hot worker takes the prefix."""
+    config = Config(peers=("tcp://kvroute-1:5570",), scoring=ScoringConfig())
+    replica = _hot_and_cold(Core(config, 2, EVENTS))
+    assert replica.route(prompt(99), NS).best.worker == "w0"
+    roomy = {"placement": {"room": 0.5}}
+    config = Config(peers=("tcp://kvroute-1:5570",), scoring=ScoringConfig(params=roomy))
+    assert _hot_and_cold(Core(config, 2, EVENTS)).route(prompt(99), NS).best.worker == "w1"
+
+
 def test_placement_can_be_turned_off() -> None:
     c = core(weights={"prefix": 1.0, "load": 0.5, "headroom": 0.1})
     for s in range(3):

@@ -296,16 +296,29 @@ class Config:
         roles = PD_ROLES.get(name)
         if roles is not None:
             filter_params["role"] = {"roles": list(roles)}
+        scorer_params = s.params
+        placement = s.params.get("placement", {})
+        if self.shares_placements and "room" not in placement:
+            # replicas must agree where a new prefix goes, so only what they all see alike
+            # (the events) may decide it; their in-flight load differs by the requests of
+            # the last milliseconds (placing by load while caches had room split groups:
+            # vllm-prefix-repetition with two replicas 0.720 cached against 0.737)
+            scorer_params = {**s.params, "placement": {**placement, "room": 0.0}}
         return build_profile(
             name,
             policy=self.policy,
             policy_params=self.policy_params,
             weights=s.weights,
-            scorer_params=s.params,
+            scorer_params=scorer_params,
             filters=DEFAULT_FILTERS if roles is None else PD_FILTERS,
             filter_params=filter_params,
             rng=rng,
         )
+
+    @property
+    def shares_placements(self) -> bool:
+        """Other router replicas or processes place requests on the same workers."""
+        return bool(self.peers or self.peer_publish or self.peers_dns) or self.processes > 1
 
     def worker_mode(self, w: WorkerConfig) -> str:
         return w.mode or self.mode
