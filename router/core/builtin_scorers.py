@@ -95,9 +95,11 @@ class PlacementScorer:
     where its prefill costs least in time (`_cost`): measured on the hot-prefix workload,
     the least demanded cache was the hot prefix's worker (its repeats store few blocks), so
     new prefixes landed there and their cold prefills delayed the hot stream (TTFT p90
-    302 -> 262 ms, p99 399 -> 388, mean 103 -> 93, medians of 5 runs, with the warm
-    upstream connections in both). For a prompt some worker already holds it is neutral (1
-    for all) and the prefix credit decides."""
+    285 -> 262 ms, p99 360 -> 388, mean 96 -> 93, medians of 5 runs, with the warm
+    upstream connections in both). Router replicas and processes get `room` 0 unless it is
+    configured (`Config.profile`): load reaches the other replicas milliseconds late, and
+    they must agree. For a prompt some worker already holds it is neutral (1 for all) and
+    the prefix credit decides."""
 
     name = "placement"
 
