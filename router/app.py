@@ -123,7 +123,6 @@ class RouterApp:
         # other doors served by this process (the Envoy picker): started after the fleet,
         # stopped before it
         self.doors: list[Any] = []
-        self.warm_connections = config.warm_connections  # 0 where nothing is proxied
         self._warm: asyncio.Task[None] | None = None
 
     def _abort(self, host: str, port: int, why: str) -> None:
@@ -186,7 +185,7 @@ class RouterApp:
         if self.peers is not None:
             await self.peers.start()
         await self.pd.start()
-        if self.warm_connections > 0:  # open before the first request can need them
+        if self.config.warm_connections > 0:  # open before the first request can need them
             await self._top_up()
             self._warm = asyncio.create_task(self._keep_warm(), name="kvroute-warm-connections")
         self.routing.started = True
@@ -208,7 +207,7 @@ class RouterApp:
 
     async def _top_up(self) -> None:
         handles = [h for h in self.pool.handles.values() if h.available and not h.draining]
-        n = self.warm_connections
+        n = self.config.warm_connections
         await asyncio.gather(*(self.upstream.keep_warm(h.host, h.port, h.tls, n) for h in handles))
 
     def start_draining(self) -> None:
@@ -241,7 +240,6 @@ class ProbesOnly:
 
     def __init__(self, app: RouterApp) -> None:
         self.app = app
-        app.warm_connections = 0  # the gateway connects to the workers, not kvroute
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in self.PATHS:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -426,6 +427,8 @@ def run(args: argparse.Namespace) -> int:
                     "with one process per replica"
                 )
             return _supervise(args, config)
+        if getattr(args, "no_proxy", False):  # the gateway connects to the workers
+            config = dataclasses.replace(config, warm_connections=0)
         app = RouterApp(config, role=role)
         picker = server_from_args(
             args, app.routing, max_body_bytes=config.max_body_bytes, default_host=config.host

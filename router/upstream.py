@@ -255,9 +255,14 @@ class UpstreamPool:
             return
         idle.append(conn)
 
+    def _usable_idle(self, key: tuple[str, int, bool]) -> list[_Conn]:
+        """The key's idle connections still open (those the worker closed are dropped)."""
+        idle = self._idle[key] = [c for c in self._idle.get(key, ()) if c.usable()]
+        return idle
+
     def idle(self, host: str, port: int, tls: bool = False) -> int:
         """Open connections to the worker waiting for a request."""
-        return sum(1 for c in self._idle.get((host, port, tls), ()) if c.usable())
+        return len(self._usable_idle((host, port, tls)))
 
     async def keep_warm(self, host: str, port: int, tls: bool, n: int) -> int:
         """Top the worker's idle connections up to `n`, so that requests find one open (the
@@ -265,9 +270,7 @@ class UpstreamPool:
         replaces them). Returns how many were opened; a worker that refuses is left to
         the health checks."""
         key = (host, port, tls)
-        idle = [c for c in self._idle.get(key, ()) if c.usable()]
-        self._idle[key] = idle
-        missing = min(n, self.max_idle) - len(idle)
+        missing = min(n, self.max_idle) - len(self._usable_idle(key))
         if missing <= 0:
             return 0
         made = await asyncio.gather(
