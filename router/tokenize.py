@@ -39,7 +39,7 @@ from tokenizers import Tokenizer
 from router.core.errors import ConfigError
 from router.tokenize_chat import chat_template, flatten_content, render, token_text
 from router.tokenize_split import Splittable, pieces, splittable
-from router.tokenize_store import PieceStore, TokenCache, Tokens, Walk
+from router.tokenize_store import PieceStore, PrefixMemos, TokenCache, Tokens, Walk
 from router.tokenize_threads import WAYS, in_threads
 from router.tokenize_words import WordIds
 
@@ -112,6 +112,7 @@ class LocalTokenizer:
         self._template = chat_template(cfg)
         self.cache = TokenCache(cache_items)
         self.pieces = PieceStore()
+        self.prefixes = PrefixMemos()
         self.words = WordIds(self._encode_words)
         self.piece_chars = piece_chars
         self.fine_chars = fine_chars
@@ -248,11 +249,15 @@ class LocalTokenizer:
         split = self.split
         ids = plan.done(new)
         out = Tokens(split.head if split is not None and specials else ())
-        out.frombytes(b"".join([*plan.walk.known, *ids]))
+        walk = plan.walk
+        if walk.known:
+            known = len(out) + sum(map(len, walk.known)) // 4
+            out.shared_prefix = self.prefixes.get(walk.parent, specials, known)
+        out.frombytes(b"".join([*walk.known, *ids]))
         if split is not None:
             if specials:
                 out.extend(split.tail)
-            self.pieces.add(plan.walk, ids[: plan.walk.admit])
+            self.pieces.add(walk, ids[: walk.admit])
         return self.cache.put(key, out)
 
 

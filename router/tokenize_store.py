@@ -46,14 +46,21 @@ _KEYS: dict[object, object] = {}  # (block size, namespace) keys, shared by ever
 class Tokens(array):  # type: ignore[type-arg]
     """Token ids (array('I')) that remember their block hashes per (block size, namespace),
     so a prompt seen again (same system prompt, same document) is neither re-tokenized nor
-    re-hashed (`router.core.picker` reads `hash_memo`)."""
+    re-hashed (`router.core.picker` reads `hash_memo`).
 
-    __slots__ = ("hash_memo",)
+    `shared_prefix`, when set, is (n, memo): the first n ids are exactly those of a text
+    prefix other prompts share (a known document, a system prompt, the conversation so
+    far), and `memo` is that prefix's own hash memo, so a new tail after it hashes only its
+    own blocks."""
+
+    __slots__ = ("hash_memo", "shared_prefix")
     hash_memo: HashMemo
+    shared_prefix: tuple[int, HashMemo] | None
 
     def __new__(cls, ids: Iterable[int] = ()) -> Tokens:
         self = cast(Tokens, super().__new__(cls, "I", ids))
         self.hash_memo = HashMemo()
+        self.shared_prefix = None
         return self
 
     def __repr__(self) -> str:
@@ -132,6 +139,36 @@ class TokenCache:
         while self._items and (len(self._items) > self.max_items or self.tokens > self.max_tokens):
             self.tokens -= len(self._items.popitem(last=False)[1])
         return tokens
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class PrefixMemos:
+    """Hash memos of known text prefixes, by (piece node id, whether the prompt has the
+    tokenizer's specials), for `Tokens.shared_prefix`: a node id names one exact text, and
+    its ids are exactly that text's tokens, so every prompt walking through the node starts
+    with the same ids and so the same block hashes. An LRU bounded in items and in the
+    prefix tokens they cover (the picker fills a memo with about one hash per block)."""
+
+    def __init__(self, max_items: int = 4096, max_tokens: int = 4_000_000) -> None:
+        self._items: OrderedDict[tuple[int, bool], tuple[int, HashMemo]] = OrderedDict()
+        self.max_items = max_items
+        self.max_tokens = max_tokens
+        self.tokens = 0
+
+    def get(self, node: int, specials: bool, n_tokens: int) -> tuple[int, HashMemo]:
+        """The shared prefix of `n_tokens` ids ending at `node` (made on first use)."""
+        key = (node, specials)
+        found = self._items.get(key)
+        if found is not None:
+            self._items.move_to_end(key)
+            return found
+        found = self._items[key] = (n_tokens, HashMemo())
+        self.tokens += n_tokens
+        while len(self._items) > self.max_items or self.tokens > self.max_tokens:
+            self.tokens -= self._items.popitem(last=False)[1][0]
+        return found
 
     def __len__(self) -> int:
         return len(self._items)

@@ -21,7 +21,10 @@ from hypothesis import strategies as st
 from tokenizer_texts import any_texts, texts, train_tokenizer
 from tokenizers import Tokenizer
 
+from indexer.hashing import Namespace, hash_request
 from router import tokenize_threads
+from router.core import picker as picker_module
+from router.core.picker import _hashes
 from router.textgen import filler
 from router.tokenize import PACKAGED_TOKENIZER, LocalTokenizer
 from router.tokenize_split import Splittable, cut_points, pieces, splittable
@@ -349,3 +352,76 @@ def test_seen_keys_keep_two_keys_that_share_a_slot() -> None:
     assert seen.first_sighting(c)  # both of c's slots are taken: it pushes a out
     assert seen.seen(c) and seen.seen(b) and not seen.seen(a)
     assert seen.first_sighting(0) and not seen.first_sighting(0)
+
+
+# ---- block hashes of a shared prefix -----------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    base=texts,
+    tails=st.lists(st.tuples(st.sampled_from([0, 5, 40, 400]), texts), min_size=3, max_size=10),
+    piece_chars=st.sampled_from([1, 4, 16]),
+    chat=st.booleans(),
+)
+def test_hashes_reusing_a_shared_prefix_equal_hashing_the_whole_prompt(
+    base: str, tails: list[tuple[int, str]], piece_chars: int, chat: bool
+) -> None:
+    """Distinct prompts over shared prefixes (never the same prompt twice, so no whole-prompt
+    cache answers): each one's memoized hashes (its shared prefix's blocks from the prefix's
+    memo, only the rest hashed) equal the chain over its plain ids, at block sizes that put
+    the prefix's end at every offset inside a block."""
+    tok = LocalTokenizer(PACKAGED_TOKENIZER, piece_chars=piece_chars, fine_chars=piece_chars)
+    ns = Namespace("m", cache_salt="s")
+    for n, (keep, tail) in enumerate(tails * 2):
+        text = f"{base[:keep]} {_OPENINGS[n]}{tail}"  # the tails part at their first token
+        if chat:  # the template places the specials itself
+            text = tok.render_chat([{"role": "user", "content": text}])
+        tokens = tok._tokens((chat, text), text, specials=not chat)
+        for bs in (1, 3, 16):
+            assert list(_hashes(tokens, bs, ns)) == hash_request(list(tokens), bs, ns)
+
+
+_OPENINGS = [
+    "apple",
+    "blue",
+    "cat",
+    "dog",
+    "egg",
+    "fox",
+    "gold",
+    "hat",
+    "ice",
+    "jam",
+    "kite",
+    "lamp",
+    "moon",
+    "nut",
+    "owl",
+    "pig",
+    "queen",
+    "rat",
+    "sun",
+    "top",
+]
+
+
+def test_a_new_tail_after_a_known_document_hashes_only_its_own_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tok = LocalTokenizer(PACKAGED_TOKENIZER)
+    doc, ns = filler_text(2000), Namespace("m")
+    hashed: list[int] = []
+    real = picker_module.hash_blocks
+
+    def counting(tokens: Any, bs: int, seed: int) -> list[Any]:
+        hashed.append(len(tokens))
+        return real(tokens, bs, seed)
+
+    monkeypatch.setattr(picker_module, "hash_blocks", counting)
+    for i in range(5):
+        prompt = f"{doc} question {i} about caches"
+        tokens = tok._tokens(("c", prompt), prompt, specials=True)
+        assert list(_hashes(tokens, 16, ns)) == hash_request(list(tokens), 16, ns)
+    assert tokens.shared_prefix is not None and tokens.shared_prefix[0] > 1900
+    assert hashed and hashed[-1] < 100  # the tail after the prefix's last full block

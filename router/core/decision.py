@@ -58,7 +58,7 @@ class Decision:
     request: RouteRequest
     ranked: list[WorkerScore]  # eligible, best first: the next ones are the retry order
     excluded: list[WorkerScore] = field(default_factory=list)  # not eligible, with the reason
-    hashes: dict[int, list[RouterBlockHash]] = field(default_factory=dict)  # per block size
+    hashes: dict[int, Sequence[RouterBlockHash]] = field(default_factory=dict)  # per block size
     scorer_us: dict[str, float] = field(default_factory=dict)
     weights: dict[str, float] = field(default_factory=dict)
     tokens: Sequence[int] = ()  # the prompt's token ids, as the router tokenized them

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from indexer.hashing import Namespace, RouterBlockHash, hash_request
+from indexer.hashing import Namespace, RouterBlockHash, hash_blocks, hash_request
 from indexer.index import Overlap
 from router.core.decision import Decision, RouteRequest, WorkerScore
 from router.core.errors import NoWorkerAvailable
@@ -89,7 +89,7 @@ class Picker:
 
     # ---- pieces ----------------------------------------------------------------------
 
-    def _lookups(self, hashes: list[RouterBlockHash], pool: list[WorkerState]) -> Lookups:
+    def _lookups(self, hashes: Sequence[RouterBlockHash], pool: list[WorkerState]) -> Lookups:
         """Each index is asked once per block size; it answers for every endpoint at once."""
         modes = {w.mode for w in pool}
         f = self.fleet
@@ -160,16 +160,39 @@ class Picker:
         )
 
 
-def _hashes(tokens: Sequence[int], bs: int, ns: Namespace) -> list[RouterBlockHash]:
-    """Block hashes, memoized on token lists that offer a `hash_memo` (cached prompts)."""
-    memo: dict[object, list[RouterBlockHash]] | None = getattr(tokens, "hash_memo", None)
+def _hashes(tokens: Sequence[int], bs: int, ns: Namespace) -> Sequence[RouterBlockHash]:
+    """Block hashes, memoized on token lists that offer a `hash_memo` (cached prompts), and
+    on the prefix they share with other prompts when they offer a `shared_prefix`."""
+    memo: dict[object, Sequence[RouterBlockHash]] | None = getattr(tokens, "hash_memo", None)
     if memo is None:
         return hash_request(tokens, bs, ns)
     key = (bs, ns)
     found = memo.get(key)
     if found is None:
-        found = memo[key] = hash_request(tokens, bs, ns)
+        found = memo[key] = _hashes_after_prefix(tokens, bs, ns, key)
     return found
+
+
+def _hashes_after_prefix(
+    tokens: Sequence[int], bs: int, ns: Namespace, key: object
+) -> Sequence[RouterBlockHash]:
+    """The chain is a function of the ids before each block, so the full blocks inside a
+    shared prefix hash the same for every prompt that starts with it: only the blocks after
+    them are hashed, seeded from the prefix's last hash."""
+    shared: tuple[int, dict[object, Sequence[RouterBlockHash]]] | None = getattr(
+        tokens, "shared_prefix", None
+    )
+    if shared is None:
+        return hash_request(tokens, bs, ns)
+    n, memo = shared
+    head = memo.get(key)
+    if head is None:
+        found = hash_request(tokens, bs, ns)
+        memo[key] = found[: n // bs]
+        return found
+    done = len(head) * bs
+    seed = head[-1] if head else ns.seed(bs)
+    return [*head, *hash_blocks(tokens[done:], bs, seed)]
 
 
 def _recent_blocks(w: WorkerState, fleet: FleetState) -> float:
