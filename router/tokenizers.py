@@ -84,7 +84,13 @@ class TokenizerSet:
         longest = self._max_token_bytes.get(id(tok))
         if longest is None:
             longest = self._max_token_bytes[id(tok)] = max_token_bytes(tok.folder)
-        return math.ceil(sum(len(t.encode("utf-8", "surrogatepass")) for t in texts) / longest)
+        return math.ceil(sum(map(_utf8_len, texts)) / longest)
+
+
+def _utf8_len(text: str) -> int:
+    # an ASCII str knows it is (a flag, no scan): its length is its UTF-8 size, and the
+    # usual prompt is not copied to be measured
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
 def max_token_bytes(folder: Path) -> int:

@@ -13,12 +13,16 @@ from typing import Any
 
 import jinja2
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizer_texts import any_texts
 from tokenizers import Tokenizer
 
 from engines.sim import make_tokenizer
-from router.tokenize import LocalTokenizer, Tokens
+from router.tokenize import PACKAGED_TOKENIZER, LocalTokenizer, Tokens
 from router.tokenize_split import cut_points
+from router.tokenizers import TokenizerSet, max_token_bytes
 
 TOKENIZER_DIR = make_tokenizer.DEFAULT_OUT
 FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -207,3 +211,20 @@ def test_regenerating_reproduces_committed_bytes(tmp_path: Path) -> None:
     make_tokenizer.write_tokenizer_files(tmp_path)
     for name in FILES:
         assert (tmp_path / name).read_bytes() == (TOKENIZER_DIR / name).read_bytes(), name
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(any_texts, max_size=4))
+def test_the_length_floor_is_a_lower_bound_on_the_tokens(texts: list[str]) -> None:
+    """The floor that refuses a prompt before tokenizing it counts UTF-8 bytes (an ASCII
+    text by its length, without copying it) and never exceeds the real token count."""
+    tok = _PACKAGED
+    floor = _SET.min_tokens(tok, texts)
+    size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    assert floor == -(-size // max_token_bytes(tok.folder))
+    if all(t.encode("utf-8", "surrogatepass") == t.encode("utf-8", "replace") for t in texts):
+        assert floor <= sum(len(tok.completion(t)) for t in texts)
+
+
+_PACKAGED = LocalTokenizer(PACKAGED_TOKENIZER)
+_SET = TokenizerSet(None, preloaded=_PACKAGED)
