@@ -39,7 +39,14 @@ from tokenizers import Tokenizer
 from router.core.errors import ConfigError
 from router.tokenize_chat import chat_template, flatten_content, render, token_text
 from router.tokenize_split import Splittable, pieces, splittable
-from router.tokenize_store import PieceStore, PrefixMemos, TokenCache, Tokens, Walk
+from router.tokenize_store import (
+    Anchors,
+    PieceStore,
+    PrefixMemos,
+    TokenCache,
+    Tokens,
+    Walk,
+)
 from router.tokenize_threads import WAYS, in_threads
 from router.tokenize_words import WordIds
 
@@ -113,6 +120,7 @@ class LocalTokenizer:
         self.cache = TokenCache(cache_items)
         self.pieces = PieceStore()
         self.prefixes = PrefixMemos()
+        self.anchors = Anchors(piece_chars)
         self.words = WordIds(self._encode_words)
         self.piece_chars = piece_chars
         self.fine_chars = fine_chars
@@ -230,7 +238,10 @@ class LocalTokenizer:
         if self.split is None:
             return _Plan(Walk(rest=[text]), [text], [None])
         fine = self.fine_chars
-        walk = self.pieces.walk(pieces(text, self.piece_chars), lambda p: pieces(p, fine))
+        start = self.anchors.find(text)
+        rest = text if start is None else text[len(start.text) - 1 :]
+        walk = self.pieces.walk(pieces(rest, self.piece_chars), lambda p: pieces(p, fine), start)
+        self.anchors.note(text, walk, start)
         left = "".join(walk.rest[walk.admit :])
         texts = [*walk.rest[: walk.admit], *([left] if left else [])]
         return _Plan(walk, texts, [self.words.ids(t) for t in texts])

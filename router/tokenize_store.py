@@ -191,6 +191,73 @@ class Walk:
     split: tuple[int, str, int, int] | None = None
     admit: int = 0
     keys: list[int] = field(default_factory=list)
+    # the last cut between two coarse pieces the walk got past: characters walked (from
+    # where it started), the node there and how many of `known` lead to it
+    anchor: tuple[int, int, int] | None = None
+
+
+@dataclass
+class Anchor:
+    """A text prefix ending just before a cut between coarse pieces (`text` holds the cut's
+    own character too), the piece node there and the ids of the pieces up to it. A prompt
+    that starts with `text` is cut exactly as that prefix was up to there (a cut depends
+    only on the text before it and the character at it), so its walk may start here."""
+
+    text: str
+    parent: int
+    known: list[bytes]
+
+
+class Anchors:
+    """Recent anchors, by their first `key_chars` characters (several documents may follow
+    one system prompt): a prompt over a long known prefix skips cutting and looking up its
+    coarse pieces one by one. Bounded in characters (LRU)."""
+
+    PER_KEY = 16  # conversations or documents after one opening, newest first
+
+    def __init__(self, key_chars: int, max_chars: int = 8 << 20) -> None:
+        self.key_chars = key_chars
+        self.max_chars = max_chars
+        self.chars = 0
+        self._by_key: OrderedDict[str, list[Anchor]] = OrderedDict()
+
+    def find(self, text: str) -> Anchor | None:
+        """The longest anchor `text` starts with."""
+        found = self._by_key.get(text[: self.key_chars])
+        if found is None:
+            return None
+        best = None
+        for a in found:
+            if (best is None or len(a.text) > len(best.text)) and text.startswith(a.text):
+                best = a
+        return best
+
+    def note(self, text: str, walk: Walk, start: Anchor | None) -> None:
+        """Keep where `walk` (over `text`, from `start`) got past its last coarse cut."""
+        if walk.anchor is None:
+            return
+        walked, parent, n = walk.anchor
+        end = (len(start.text) - 1 if start is not None else 0) + walked
+        if end < self.key_chars:
+            return
+        key = text[: self.key_chars]
+        found = self._by_key.get(key)
+        if found is None:
+            found = self._by_key[key] = []
+        else:
+            self._by_key.move_to_end(key)
+        if any(len(a.text) == end + 1 and text.startswith(a.text) for a in found):
+            return  # known already
+        found.insert(0, Anchor(text[: end + 1], parent, walk.known[:n]))
+        self.chars += end + 1
+        for old in found[self.PER_KEY :]:
+            self.chars -= len(old.text)
+        del found[self.PER_KEY :]
+        while self.chars > self.max_chars and self._by_key:
+            self.chars -= sum(len(a.text) for a in self._by_key.popitem(last=False)[1])
+
+    def __len__(self) -> int:
+        return sum(map(len, self._by_key.values()))
 
 
 class PieceStore:
@@ -221,12 +288,25 @@ class PieceStore:
         self.hits = 0
         self.misses = 0
 
-    def walk(self, pieces: Sequence[str], refine: Callable[[str], list[str]]) -> Walk:
-        """Follow `pieces` (coarse) from the root; at the first unknown one, follow its
-        `refine`d (fine) pieces; what is left is `rest`."""
+    def walk(
+        self,
+        pieces: Sequence[str],
+        refine: Callable[[str], list[str]],
+        anchor: Anchor | None = None,
+    ) -> Walk:
+        """Follow `pieces` (coarse) from the root, or from `anchor` (the pieces are then
+        what follows its text); at the first unknown one, follow its `refine`d (fine)
+        pieces; what is left is `rest`."""
         w = Walk()
         nodes, known, parent = self._nodes, w.known, 0
+        if anchor is not None:
+            parent = anchor.parent
+            known.extend(anchor.known)
+        walked = 0
         for i, piece in enumerate(pieces):
+            if i:
+                w.anchor = (walked, parent, len(known))
+            walked += len(piece)
             node = nodes.get((parent, piece))
             if node is not None:
                 nodes.move_to_end((parent, piece))

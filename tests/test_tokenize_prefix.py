@@ -425,3 +425,24 @@ def test_a_new_tail_after_a_known_document_hashes_only_its_own_blocks(
         assert list(_hashes(tokens, 16, ns)) == hash_request(list(tokens), 16, ns)
     assert tokens.shared_prefix is not None and tokens.shared_prefix[0] > 1900
     assert hashed and hashed[-1] < 100  # the tail after the prefix's last full block
+
+
+def test_a_prompt_that_does_not_cut_where_an_anchor_did_is_walked_from_the_root(
+    raw: Tokenizer,
+) -> None:
+    """An anchor names a prefix ending at a cut, the cut's own character included: a
+    prompt that shares the text before the cut but goes on without the space there is cut
+    elsewhere, and must not resume from it (its tokens would be the prefix's plus the rest's,
+    split inside a word)."""
+    tok = LocalTokenizer(PACKAGED_TOKENIZER, piece_chars=8, fine_chars=8)
+    doc = filler_text(300)
+    for tail in (" one", " two", " three"):
+        tok.completion(doc + tail)
+    anchors = [a for found in tok.anchors._by_key.values() for a in found]
+    assert anchors and all(a.text[-1] == " " for a in anchors)
+    longest = tok.anchors.find(doc + " four")  # the next question skips the known document
+    assert longest is not None and len(longest.text) > len(doc) - 3 * 8
+    for a in anchors:
+        for joined in ("s are", "ing", "ed on", "ly"):
+            prompt = a.text[:-1] + joined
+            assert tok.completion(prompt) == _ids(raw, prompt, specials=True), prompt
