@@ -19,7 +19,7 @@ _decoder = msgspec.json.Decoder()
 PROMPT_PATHS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # built per request: a frozen init costs ~3x
 class RoutingInput:
     kind: str  # "completion" | "chat" | "none" (no prompt: route by model and load)
     model: str
