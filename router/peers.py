@@ -363,7 +363,8 @@ class PlacementLink:
         apart chose two workers because the second had not yet read the first's placement."""
         n = 0
         for sock, relay in ((self._sub_now, False), (self._relay_sub_now, True)):
-            while sock is not None and n < DRAIN_MAX:
+            # asking first: an empty socket's recv raises, and most picks find none waiting
+            while sock is not None and n < DRAIN_MAX and _readable(sock):
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
@@ -431,3 +432,8 @@ class PlacementLink:
             self._warned[result] = now  # once per burst: bad placements must not flood it
             log.warning("%s (counted in kvroute_peer_placements_total)", warning)
         return result
+
+
+def _readable(sock: zmq.Socket[bytes]) -> bool:
+    """A message is waiting (ZMQ_EVENTS is an int for this option)."""
+    return bool(int(sock.get(zmq.EVENTS)) & zmq.POLLIN)
