@@ -72,7 +72,11 @@ class Decision:
         return self.ranked[0]
 
     def score_of(self, worker: str) -> WorkerScore:
-        return next(s for s in [*self.ranked, *self.excluded] if s.worker == worker)
+        for scores in (self.ranked, self.excluded):
+            for s in scores:
+                if s.worker == worker:
+                    return s
+        raise KeyError(f"no score for worker {worker!r}")
 
     def explain(self) -> str:
         """The formula with its terms filled in, one line per endpoint."""
