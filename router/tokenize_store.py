@@ -215,7 +215,7 @@ class Anchors:
 
     PER_KEY = 16  # conversations or documents after one opening, newest first
 
-    def __init__(self, key_chars: int, max_chars: int = 8 << 20) -> None:
+    def __init__(self, key_chars: int, max_chars: int = 4 << 20) -> None:
         self.key_chars = key_chars
         self.max_chars = max_chars
         self.chars = 0
@@ -253,8 +253,18 @@ class Anchors:
         for old in found[self.PER_KEY :]:
             self.chars -= len(old.text)
         del found[self.PER_KEY :]
-        while self.chars > self.max_chars and self._by_key:
-            self.chars -= sum(len(a.text) for a in self._by_key.popitem(last=False)[1])
+        self._evict(found[0])
+
+    def _evict(self, keep: Anchor) -> None:
+        """Over budget: the oldest anchors of the least recent opening go first, never
+        `keep` (the one just made)."""
+        while self.chars > self.max_chars:
+            key, oldest = next(iter(self._by_key.items()))
+            if oldest[-1] is keep:
+                return
+            self.chars -= len(oldest.pop().text)
+            if not oldest:
+                del self._by_key[key]
 
     def __len__(self) -> int:
         return sum(map(len, self._by_key.values()))

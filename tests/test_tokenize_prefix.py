@@ -446,3 +446,24 @@ def test_a_prompt_that_does_not_cut_where_an_anchor_did_is_walked_from_the_root(
         for joined in ("s are", "ing", "ed on", "ly"):
             prompt = a.text[:-1] + joined
             assert tok.completion(prompt) == _ids(raw, prompt, specials=True), prompt
+
+
+def test_anchors_stay_within_their_budget_and_keep_the_newest() -> None:
+    """Many documents after one opening: at most PER_KEY anchors per opening, the newest
+    first, and no more characters than the budget in all."""
+    tok = LocalTokenizer(PACKAGED_TOKENIZER, piece_chars=16, fine_chars=16)
+    tok.anchors.max_chars = 3000
+    opening = filler_text(40)
+    for d in range(30):
+        doc = f"{opening} document {d}: " + filler_text(120, seed=d)
+        for q in range(3):
+            tok.completion(f"{doc} question {q}")
+        assert tok.anchors.chars <= 3000
+        assert tok.anchors.chars == sum(
+            len(a.text) for found in tok.anchors._by_key.values() for a in found
+        )
+    newest = tok.anchors.find(
+        f"{opening} document 29: " + filler_text(120, seed=29) + " question 7"
+    )
+    assert newest is not None and "document 29" in newest.text
+    assert all(len(found) <= tok.anchors.PER_KEY for found in tok.anchors._by_key.values())
