@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from indexer import ttl as ttl_module
 from indexer.clock import FakeClock
 from indexer.hashing import Namespace, hash_request
 from indexer.index import Overlap
@@ -197,3 +198,22 @@ def test_a_workers_capacity_bounds_what_is_believed_of_it() -> None:
     fleet.approx.record("w", older)
     fleet.approx.record("w", H)
     assert fleet.approx.entries_of("w") == 4
+
+
+@pytest.mark.parametrize("bisected", [8, 1], ids=["bisected", "past-the-runs-bisected"])
+def test_a_chain_over_several_records_takes_its_blocks_from_each(
+    bisected: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chain whose blocks two records hold (its prefix refreshed later than the rest):
+    each of them is cut down to what it still owns, so the records hold every entry once."""
+    monkeypatch.setattr(ttl_module, "RUNS_BISECTED", bisected)
+    clock = FakeClock()
+    ttl = TtlIndex(clock, ttl_s=100)
+    long = hash_request(list(range(48)), 8, Namespace())  # six blocks
+    ttl.record("a", long[:4])
+    clock.advance(2)
+    ttl.record("a", long[:2])  # the first two now live longer than the next two
+    clock.advance(2)
+    ttl.record("a", long)  # two runs held (two records), then two blocks new
+    assert len(ttl) == 6 and ttl.held_hashes() == 6
+    assert ttl.find_matches(long) == {"a": Overlap(6, {"GPU": 6})}
