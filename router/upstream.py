@@ -187,6 +187,16 @@ class Response:
                 conn.waiter = None
 
     async def read(self) -> bytes:
+        conn = self._conn
+        if conn.complete:  # a small answer is usually whole by the time its head is read
+            body = b"".join(conn.chunks)
+            conn.chunks.clear()
+            conn.buffered = 0
+            if conn.paused and conn.transport is not None:
+                conn.transport.resume_reading()
+                conn.paused = False
+            self._finish()
+            return body
         return b"".join([c async for c in self.chunks()])
 
     def _finish(self) -> None:

@@ -299,3 +299,28 @@ def test_scraped_load_counts_only_other_routers_traffic() -> None:
     assert c.load.view("w0").requests == 3  # our finished request is not counted twice
     c.load.scraped("w1", running=0, waiting=0, kv_usage=0.0, capacity_blocks=100)
     assert c.load.view("w1").requests == 0
+
+
+class _Wild:
+    """A plugin scorer whose outputs leave 0..1."""
+
+    name = "wild"
+
+    def __init__(self, out: dict[str, float]) -> None:
+        self.out = out
+
+    def score(self, request: Any, cands: Sequence[Any]) -> dict[str, float]:
+        return self.out
+
+
+@pytest.mark.parametrize(
+    ("given", "kept"),
+    [(float("nan"), 0.0), (-0.5, 0.0), (7.0, 1.0), (0.25, 0.25), (1.0, 1.0), (0.0, 0.0)],
+    ids=["nan", "negative", "above-one", "inside", "one", "zero"],
+)
+def test_a_plugins_scores_are_clamped_to_0_1(given: float, kept: float) -> None:
+    c = core(n=2)
+    c.profile.scorers.append((_Wild({"w0": given}), 1.0))  # type: ignore[arg-type]
+    d = c.route(prompt(1), NS)
+    assert d.score_of("w0").raw["wild"] == kept
+    assert d.score_of("w1").raw["wild"] == 0.0  # a worker the scorer left out scores 0

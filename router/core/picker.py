@@ -128,7 +128,10 @@ class Picker:
             out = scorer.score(request, cands)
             if self._timer:
                 timings[scorer.name] = (self._timer() - t0) * 1e6
-            raw[scorer.name] = {c.name: clamp(out.get(c.name, 0.0)) for c in cands}
+            # clamped only when outside 0..1 (NaN fails the test too): no call per value
+            raw[scorer.name] = {
+                c.name: v if 0.0 <= (v := out.get(c.name, 0.0)) <= 1.0 else clamp(v) for c in cands
+            }
         return raw, timings
 
     @staticmethod
