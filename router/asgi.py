@@ -47,6 +47,12 @@ async def _read(receive: Receive, limit: int) -> bytes:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+# Scope key kvroute's HTTP server adds: a list of callbacks it calls when the client's
+# connection drops before the response completed (router.server). A door registers one
+# instead of keeping a task per request waiting on receive() for the disconnect.
+CLIENT_GONE = "kvroute.client_gone"
+
+
 def check_length(scope: Scope, limit: int) -> None:
     """413 from the declared Content-Length, before a byte of the body is read."""
     raw = header(scope, b"content-length")

@@ -17,10 +17,10 @@ import itertools
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from router.access import AccessLog
-from router.asgi import Receive, Scope, Send, check_length, header, read_body
+from router.asgi import CLIENT_GONE, Receive, Scope, Send, check_length, header, read_body
 from router.core.config import Config
 from router.core.decision import Constraints, Decision, WorkerScore
 from router.core.errors import KvrouteError, MethodNotAllowed, Overloaded, UpstreamError
@@ -110,7 +110,13 @@ class ProxyDoor:
             target += b"?" + scope["query_string"]
         me = asyncio.current_task()
         assert me is not None
-        watch = asyncio.ensure_future(_cancel_on_disconnect(receive, me))
+        gone = scope.get(CLIENT_GONE)
+        watch: _Watch
+        if gone is None:  # not kvroute's own server (an in-process ASGI transport)
+            watch = asyncio.ensure_future(_cancel_on_disconnect(receive, me))
+        else:
+            watch = _Hangup(me)
+            gone.append(watch.fire)
         request = _Request(decision, rin, method.encode(), target, headers, body, request_id, t0)
         try:
             if pd and self.pd is not None:
@@ -249,6 +255,36 @@ def _forwarded(scope: Scope, config: Config) -> tuple[bytes, bytes, bytes] | Non
     client = scope.get("client")
     address = str(client[0]).encode() if client else b"unknown"
     return address, str(scope.get("scheme", "http")).encode(), header(scope, b"host") or b""
+
+
+class _Watch(Protocol):
+    def done(self) -> bool: ...
+
+    def cancel(self) -> object: ...
+
+
+class _Hangup:
+    """Cancels the request's task when the server says its client went away."""
+
+    __slots__ = ("_task", "fired", "live")
+
+    def __init__(self, task: asyncio.Task[Any]) -> None:
+        self._task = task
+        self.fired = False
+        self.live = True
+
+    def fire(self) -> None:
+        if self.live:
+            self.live = False
+            self.fired = True
+            self._task.cancel()
+
+    def done(self) -> bool:
+        return self.fired
+
+    def cancel(self) -> bool:
+        self.live = False
+        return True
 
 
 async def _cancel_on_disconnect(receive: Receive, task: asyncio.Task[Any]) -> None:

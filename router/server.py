@@ -24,6 +24,8 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from router.asgi import CLIENT_GONE
+
 log = logging.getLogger("kvroute.serve")
 
 
@@ -42,6 +44,7 @@ def protocol_with_header_timeout(timeout_s: float) -> type[asyncio.Protocol]:
 
         def on_headers_complete(self) -> None:
             self._disarm()
+            self.scope[CLIENT_GONE] = []  # type: ignore[literal-required]  # the cycle's scope
             super().on_headers_complete()
             if self._last_request and self.cycle is not None:
                 self.cycle.keep_alive = False
@@ -59,7 +62,13 @@ def protocol_with_header_timeout(timeout_s: float) -> type[asyncio.Protocol]:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            cycle = self.cycle
+            gone: list[Callable[[], None]] = []
+            if cycle is not None and not cycle.response_complete:
+                gone = cycle.scope.get(CLIENT_GONE, gone)  # type: ignore[assignment]
             super().connection_lost(exc)
+            for tell in gone:
+                tell()  # the door cancels the request: the worker's request is aborted
 
         def _arm(self) -> None:
             self._disarm()
