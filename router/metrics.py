@@ -189,21 +189,24 @@ def _coalesce_file_writes() -> None:
     if not getattr(base, "_multiprocess", False) or getattr(base, "_coalesced", False):
         return
     dirty: set[Any] = set()
+    due_on: list[asyncio.AbstractEventLoop | None] = [None]  # the loop a write is queued on
 
     def write() -> None:
+        due_on[0] = None
         for v in dirty:
             v._file.write_value(v._key, v._value, v._timestamp)
         dirty.clear()
 
     def changed(v: Any) -> None:
-        if not dirty:
-            try:
-                asyncio.get_running_loop().call_soon(write)
-            except RuntimeError:  # no event loop (start-up): now
-                dirty.add(v)
-                write()
-                return
         dirty.add(v)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no event loop (start-up): now
+            write()
+            return
+        if due_on[0] is not loop:  # none queued, or queued on a loop that is gone
+            due_on[0] = loop
+            loop.call_soon(write)
 
     class Coalesced(base):  # type: ignore[misc]
         _coalesced = True

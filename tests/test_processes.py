@@ -252,3 +252,51 @@ def test_a_port_already_served_is_refused() -> None:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
+
+
+def test_metric_files_are_written_once_per_loop_turn_and_on_every_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a --processes child the updates of one event-loop turn reach the process's file
+    together, after the turn; with no loop running, at once; a loop that ended with a write
+    still queued does not stop the next loop's writes."""
+    import asyncio
+
+    from prometheus_client import CollectorRegistry, Counter, values
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    from router.metrics import _coalesce_file_writes
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    monkeypatch.setattr(values, "ValueClass", values.MultiProcessValue())
+    _coalesce_file_writes()
+    counter = Counter("kvroute_test_total", "a test counter", registry=None)
+
+    def on_file() -> float:
+        scrape = CollectorRegistry()
+        MultiProcessCollector(scrape, path=str(tmp_path))  # type: ignore[no-untyped-call]
+        return scrape.get_sample_value("kvroute_test_total") or 0.0
+
+    counter.inc()  # no loop: written at once
+    assert on_file() == 1.0
+
+    async def turn() -> tuple[float, float]:
+        counter.inc(2)
+        counter.inc(3)
+        before = on_file()
+        await asyncio.sleep(0)  # one turn
+        return before, on_file()
+
+    assert asyncio.run(turn()) == (1.0, 6.0)
+
+    loop = asyncio.new_event_loop()
+
+    def last_callback() -> None:
+        counter.inc(10)  # its write is queued behind this callback...
+        loop.stop()  # ...and the loop stops before it runs
+
+    loop.call_soon(last_callback)
+    loop.run_forever()
+    loop.close()
+    assert on_file() == 6.0
+    assert asyncio.run(turn()) == (6.0, 21.0)  # the next loop's first turn writes it all
