@@ -189,23 +189,25 @@ def _coalesce_file_writes() -> None:
     if not getattr(base, "_multiprocess", False) or getattr(base, "_coalesced", False):
         return
     dirty: set[Any] = set()
-    due_on: list[asyncio.AbstractEventLoop | None] = [None]  # the loop a write is queued on
+    due_on: asyncio.AbstractEventLoop | None = None  # the loop a write is queued on
 
     def write() -> None:
-        due_on[0] = None
+        nonlocal due_on
+        due_on = None
         for v in dirty:
             v._file.write_value(v._key, v._value, v._timestamp)
         dirty.clear()
 
     def changed(v: Any) -> None:
+        nonlocal due_on
         dirty.add(v)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no event loop (start-up): now
             write()
             return
-        if due_on[0] is not loop:  # none queued, or queued on a loop that is gone
-            due_on[0] = loop
+        if due_on is not loop:  # none queued, or queued on a loop that is gone
+            due_on = loop
             loop.call_soon(write)
 
     class Coalesced(base):  # type: ignore[misc]

@@ -239,9 +239,10 @@ class LocalTokenizer:
             return _Plan(Walk(rest=[text]), [text], [None])
         fine = self.fine_chars
         start = self.anchors.find(text)
-        rest = text if start is None else text[len(start.text) - 1 :]
+        offset = 0 if start is None else len(start.text) - 1  # the anchor's cut
+        rest = text[offset:]
         walk = self.pieces.walk(pieces(rest, self.piece_chars), lambda p: pieces(p, fine), start)
-        self.anchors.note(text, walk, start)
+        self.anchors.note(text, walk, offset)
         left = "".join(walk.rest[walk.admit :])
         texts = [*walk.rest[: walk.admit], *([left] if left else [])]
         return _Plan(walk, texts, [self.words.ids(t) for t in texts])

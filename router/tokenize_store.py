@@ -170,9 +170,6 @@ class PrefixMemos:
             self.tokens -= self._items.popitem(last=False)[1][0]
         return found
 
-    def __len__(self) -> int:
-        return len(self._items)
-
 
 _NODE_OVERHEAD = 200  # bytes per piece beyond its text and ids: key tuple, value, dict slot
 
@@ -232,12 +229,13 @@ class Anchors:
                 best = a
         return best
 
-    def note(self, text: str, walk: Walk, start: Anchor | None) -> None:
-        """Keep where `walk` (over `text`, from `start`) got past its last coarse cut."""
+    def note(self, text: str, walk: Walk, offset: int) -> None:
+        """Keep where `walk` (over `text` from character `offset`, its anchor's cut) got
+        past its last coarse cut."""
         if walk.anchor is None:
             return
         walked, parent, n = walk.anchor
-        end = (len(start.text) - 1 if start is not None else 0) + walked
+        end = offset + walked
         if end < self.key_chars:
             return
         key = text[: self.key_chars]
@@ -265,9 +263,6 @@ class Anchors:
             self.chars -= len(oldest.pop().text)
             if not oldest:
                 del self._by_key[key]
-
-    def __len__(self) -> int:
-        return sum(map(len, self._by_key.values()))
 
 
 class PieceStore:
