@@ -28,7 +28,7 @@ from router.core.picker import _hashes
 from router.textgen import filler
 from router.tokenize import PACKAGED_TOKENIZER, LocalTokenizer
 from router.tokenize_split import Splittable, cut_points, pieces, splittable
-from router.tokenize_store import PieceStore, SeenKeys, TokenCache, Tokens, Walk
+from router.tokenize_store import PieceStore, PrefixMemos, SeenKeys, TokenCache, Tokens, Walk
 from router.tokenize_threads import in_threads, shares
 
 SPEC: dict[str, Any] = json.loads((PACKAGED_TOKENIZER / "tokenizer.json").read_text())
@@ -465,3 +465,14 @@ def test_anchors_stay_within_their_budget_and_keep_the_newest() -> None:
         newest = tok.anchors.find(f"{doc} question 7")
         assert newest is not None and f"document {d}:" in newest.text
     assert all(len(found) <= tok.anchors.PER_KEY for found in tok.anchors._by_key.values())
+
+
+def test_prefix_memos_stay_within_their_bounds_newest_kept() -> None:
+    """The shared prefixes' hash memos are an LRU bounded in items and in prefix tokens."""
+    memos = PrefixMemos(max_items=4, max_tokens=1000)
+    for node in range(10):
+        memos.get(node, True, 300)
+        assert memos.tokens <= 1000 and len(memos._items) <= 4
+    latest = memos.get(9, True, 300)
+    assert memos.get(9, True, 300) is latest and memos.get(9, False, 300) is not latest
+    assert memos.get(0, True, 300)[1] == {} and (0, True) in memos._items  # made again
