@@ -126,6 +126,9 @@ class LocalTokenizer:
         self.fine_chars = fine_chars
         self.inline_chars = inline_chars
         self.split = self._check_split(json.loads(tok_file.read_text()))
+        # the length floor's divisor, known before the first request (a 128k vocabulary
+        # takes tens of milliseconds to walk)
+        self.max_token_bytes = longest_token_bytes(self._tok)
 
     @property
     def bos_token(self) -> str:
@@ -271,6 +274,13 @@ class LocalTokenizer:
                 out.extend(split.tail)
             self.pieces.add(walk, ids[: walk.admit])
         return self.cache.put(key, out)
+
+
+def longest_token_bytes(tok: Tokenizer) -> int:
+    """The most UTF-8 bytes any vocabulary entry spells (byte-level BPE stores each raw byte
+    as one character of up to 2 UTF-8 bytes, so this over-counts: a safe bound)."""
+    vocab: dict[str, Any] = tok.get_vocab(with_added_tokens=True)
+    return max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=1) or 1
 
 
 def _chat_key(

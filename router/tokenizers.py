@@ -11,9 +11,6 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
-
-from tokenizers import Tokenizer
 
 from router.core.config import REMOTE, Config
 from router.core.errors import ConfigError
@@ -31,7 +28,6 @@ class TokenizerSet:
         self._default = default or REMOTE
         self._specs = dict(per_model or {})
         self._by_folder: dict[str, LocalTokenizer] = {}
-        self._max_token_bytes: dict[int, int] = {}  # id(LocalTokenizer) -> its longest token
         self._default_local = preloaded
         if preloaded is None and self._default != REMOTE:
             self._default_local = self._load(self._default, "tokenizer")
@@ -81,22 +77,10 @@ class TokenizerSet:
         """A lower bound on the tokens these texts make, without tokenizing them: no token
         covers more bytes than the tokenizer's longest, so a prompt over the model's length
         by this bound is over it for sure (it can never reject a prompt that fits)."""
-        longest = self._max_token_bytes.get(id(tok))
-        if longest is None:
-            longest = self._max_token_bytes[id(tok)] = max_token_bytes(tok.folder)
-        return math.ceil(sum(map(_utf8_len, texts)) / longest)
+        return math.ceil(sum(map(_utf8_len, texts)) / tok.max_token_bytes)
 
 
 def _utf8_len(text: str) -> int:
     # an ASCII str knows it is (a flag, no scan): its length is its UTF-8 size, and the
     # usual prompt is not copied to be measured
     return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
-
-
-def max_token_bytes(folder: Path) -> int:
-    """The most UTF-8 bytes any vocabulary entry spells (byte-level BPE stores each raw byte
-    as one character of up to 2 UTF-8 bytes, so this over-counts: a safe bound)."""
-    vocab: dict[str, Any] = Tokenizer.from_file(str(Path(folder) / "tokenizer.json")).get_vocab(
-        with_added_tokens=True
-    )
-    return max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=1) or 1
