@@ -119,3 +119,40 @@ def test_every_prompt_fits_the_fleet_it_runs_on(name: str) -> None:
     tok = LocalTokenizer(PACKAGED_TOKENIZER)
     longest = max(len(tok.completion(r.prompt)) + r.max_tokens for r in w.requests)
     assert longest <= limit, f"{name}: a prompt of {longest} tokens on a {limit}-token fleet"
+
+
+def test_the_client_is_warmed_before_the_first_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver's first request pays the client's own set-up; a health check per URL
+    takes it before any prompt, so no prompt's TTFT counts it (and no cache is touched)."""
+    import asyncio
+
+    import httpx
+
+    from router.bench import driver
+
+    seen: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(f"{request.method} {request.url.host}:{request.url.port}{request.url.path}")
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        usage = {"prompt_tokens": 4, "prompt_tokens_details": {"cached_tokens": 0}}
+        body = (
+            'data: {"choices": [{"text": "x"}]}\n\n'
+            f'data: {{"choices": [], "usage": {json.dumps(usage)}}}\n\n'
+            "data: [DONE]\n\n"
+        )
+        return httpx.Response(200, text=body, headers={"content-type": "text/event-stream"})
+
+    real = httpx.AsyncClient
+
+    def client(**kw: object) -> httpx.AsyncClient:
+        return real(transport=httpx.MockTransport(answer), **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(httpx, "AsyncClient", client)
+    w = workloads.build("seed", 0, scale=0.25)
+    urls = ["http://127.0.0.1:9001", "http://127.0.0.1:9002", "http://127.0.0.1:9001"]
+    result = asyncio.run(driver.drive(w, urls))
+    assert result.errors == 0 and len(result.samples) == len(w.requests)
+    assert seen[:2] == ["GET 127.0.0.1:9001/health", "GET 127.0.0.1:9002/health"]
+    assert all(s.startswith("POST ") for s in seen[2:]) and len(seen) == 2 + len(w.requests)
