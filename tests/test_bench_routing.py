@@ -38,6 +38,7 @@ def test_harness_json_shape_and_kvroute_beats_round_robin(tmp_path: Path) -> Non
         assert set(row) >= ROW_KEYS, name
         assert set(row["ttft_ms"]) == {"p50", "p90", "p99", "mean"}
         assert row["runs"] == 3 and row["errors"] == 0
+        assert sorted(row["ttft_p90_ms_runs"])[1] == row["ttft_ms"]["p90"]  # the median run
         assert sum(row["requests_per_worker"]) > 0 and len(row["requests_per_worker"]) == 2
     kv, rr = seed["routers"]["kvroute"], seed["routers"]["round_robin"]
     # prefix-aware placement keeps each prefix on one worker; round robin thrashes both

@@ -14,6 +14,7 @@ JSON: {"workloads": {NAME: {"ideal": F, "routers": {ROUTER: ROW}}},
        "replicas": {NAME: {"one": ROW, "two": ROW}}}
 ROW: {"cached_fraction", "ttft_ms": {"p50", "p90", "p99", "mean"}, "itl_ms_p90",
       "requests_per_worker": [...], "max_min_load", "errors", "runs", "cached_fraction_runs",
+      "ttft_p90_ms_runs" (each run's p90: a 192-request run's p90 spreads by tens of percent),
       "router_cpu_s" (CPU seconds the router processes used during the drive),
       "engine_ttft_ms_mean" (the engines' own TTFT: what the client saw less the router),
       "router_ejections" (kvroute: workers ejected on failed health checks, all runs)}
@@ -282,6 +283,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "errors": sum(r["errors"] for r in rows),
         "runs": len(rows),
         "cached_fraction_runs": [round(r["cached_fraction"], 4) for r in rows],
+        "ttft_p90_ms_runs": [round(r["ttft_ms"]["p90"], 1) for r in rows],
     }
 
 
