@@ -52,7 +52,8 @@ class CaptureProcess:
             return []  # caught mid-write; the next poll reads it whole
 
     async def stop_after(self, last_seq: int | None, timeout_s: float = 10.0) -> None:
-        """Wait until batch `last_seq` is on disk, then stop the capture (SIGINT, as Ctrl-C)."""
+        """Wait until batch `last_seq` is on disk, then stop the capture. SIGTERM, not SIGINT:
+        a suite started as a shell's background job passes SIGINT on ignored to its children."""
         deadline = time.monotonic() + timeout_s
         while last_seq is not None and max(self.seqs(), default=-1) < last_seq:
             if time.monotonic() > deadline:
@@ -62,7 +63,7 @@ class CaptureProcess:
         proc, self._proc = self._proc, None
         if proc is None:
             return
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)
         try:
             await asyncio.to_thread(proc.wait, 10.0)
         except subprocess.TimeoutExpired:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -35,7 +36,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     esub = p.add_subparsers(dest="events_command", metavar="ACTION", required=True)
 
-    cap = esub.add_parser("capture", help="write raw frames to a folder")
+    cap = esub.add_parser(
+        "capture", help="write raw frames to a folder (until a bound, Ctrl-C or SIGTERM)"
+    )
     _endpoint_args(cap)
     cap.add_argument("--out", type=Path, required=True, help="folder to write frames into")
     stop = cap.add_mutually_exclusive_group()
@@ -77,8 +80,19 @@ def _subscribe(args: argparse.Namespace) -> Any:
     return sub
 
 
-def _capture(args: argparse.Namespace) -> int:
+def _stop_on_sigterm() -> None:
+    """SIGTERM ends a capture or tail as Ctrl-C does, with the index written and the count
+    printed: containers, systemd and `timeout` stop with SIGTERM, and a shell's background job
+    ignores SIGINT (it would never stop)."""
 
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+
+
+def _capture(args: argparse.Namespace) -> int:
+    _stop_on_sigterm()
     sub = _subscribe(args)
     writer = CaptureWriter(args.out)
     time.sleep(0.3)  # let the subscription reach the publisher before asking for history
@@ -190,6 +204,7 @@ def _feed(ingest: Any, messages: list[CapturedMessage]) -> None:
 def _tail(args: argparse.Namespace) -> int:
     from engines.vllm.events import MalformedPayload, decode_wire
 
+    _stop_on_sigterm()
     sub = _subscribe(args)
     seen = 0
     try:
