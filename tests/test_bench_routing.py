@@ -40,7 +40,12 @@ def test_harness_json_shape_and_kvroute_beats_round_robin(tmp_path: Path) -> Non
         assert row["runs"] == 3 and row["errors"] == 0
         assert sorted(row["ttft_p90_ms_runs"])[1] == row["ttft_ms"]["p90"]  # the median run
         assert sum(row["requests_per_worker"]) > 0 and len(row["requests_per_worker"]) == 2
+        computed = row["prefill_tokens_per_worker"]  # the engines' queries less their hits
+        assert len(computed) == 2 and all(n > 0 for n in computed), computed
+        assert row["max_min_prefill"] >= 1.0
     kv, rr = seed["routers"]["kvroute"], seed["routers"]["round_robin"]
+    # a router that caches more leaves the engines less to compute
+    assert sum(kv["prefill_tokens_per_worker"]) < sum(rr["prefill_tokens_per_worker"])
     # prefix-aware placement keeps each prefix on one worker; round robin thrashes both
     assert kv["cached_fraction"] > rr["cached_fraction"] + 0.05, (kv, rr)
     assert kv["cached_fraction"] <= seed["ideal"] + 0.01

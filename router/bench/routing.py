@@ -13,7 +13,9 @@ the request order, the simulator and the random policy. The capacity-aware ideal
 JSON: {"workloads": {NAME: {"ideal": F, "routers": {ROUTER: ROW}}},
        "replicas": {NAME: {"one": ROW, "two": ROW}}}
 ROW: {"cached_fraction", "ttft_ms": {"p50", "p90", "p99", "mean"}, "itl_ms_p90",
-      "requests_per_worker": [...], "max_min_load", "errors", "runs", "cached_fraction_runs",
+      "requests_per_worker": [...], "max_min_load", "prefill_tokens_per_worker": [...] and
+      "max_min_prefill" (prompt tokens each engine computed: its prefix-cache queries less
+      hits), "errors", "runs", "cached_fraction_runs",
       "ttft_p90_ms_runs" (each run's p90: a 192-request run's p90 spreads by tens of percent),
       "router_cpu_s" (CPU seconds the router processes used during the drive),
       "engine_ttft_ms_mean" (the engines' own TTFT: what the client saw less the router),
@@ -238,15 +240,24 @@ def run_row(result: DriveResult) -> dict[str, Any]:
 
 
 def _per_worker(workers: list[dict[str, Any]]) -> dict[str, Any]:
-    """Requests per engine, and the engines' own mean TTFT (arrival at the engine to first
-    token): the client's TTFT minus this is what the router and the network added."""
+    """Requests per engine; prompt tokens each engine computed (its prefix-cache queries
+    less its hits: the prefill work it did, which requests alone do not tell where prompts
+    differ in length or in what was cached); and the engines' own mean TTFT (arrival at the
+    engine to first token): the client's TTFT minus this is what the router and the network
+    added. Every run starts fresh engines, so the totals are the run's."""
     c = [engine_counters(str(w["url"])) for w in workers]
     counts = [int(x.get("vllm:request_success_total", 0)) for x in c]
+    computed = [
+        int(x.get("vllm:prefix_cache_queries_total", 0) - x.get("vllm:prefix_cache_hits_total", 0))
+        for x in c
+    ]
     ttft_s = sum(x.get("vllm:time_to_first_token_seconds_sum", 0.0) for x in c)
     n = sum(x.get("vllm:time_to_first_token_seconds_count", 0.0) for x in c)
     return {
         "requests_per_worker": counts,
         "max_min_load": max(counts) / max(min(counts), 1),
+        "prefill_tokens_per_worker": computed,
+        "max_min_prefill": max(computed) / max(min(computed), 1),
         "engine_ttft_ms_mean": 1000 * ttft_s / max(n, 1),
     }
 
@@ -277,6 +288,11 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             statistics.median(r["requests_per_worker"][i] for r in rows) for i in range(n_workers)
         ],
         "max_min_load": med(lambda r: r["max_min_load"], 2),
+        "prefill_tokens_per_worker": [
+            statistics.median(r["prefill_tokens_per_worker"][i] for r in rows)
+            for i in range(n_workers)
+        ],
+        "max_min_prefill": med(lambda r: r["max_min_prefill"], 2),
         "router_cpu_s": med(lambda r: r.get("router_cpu_s", 0.0)),
         "engine_ttft_ms_mean": med(lambda r: r.get("engine_ttft_ms_mean", 0.0)),
         "router_ejections": sum(r.get("router_ejections", 0) for r in rows),
@@ -290,7 +306,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def print_table(report: dict[str, Any]) -> None:
     head = (
         f"{'router':<27} {'cached':>7} {'TTFT p50':>9} {'p90':>7} {'p99':>7} {'mean':>7} "
-        f"{'ITL p90':>8} {'max/min':>7} {'err':>4} {'CPU s':>6} {'eng TTFT':>8} {'ej':>3}"
+        f"{'ITL p90':>8} {'max/min':>7} {'prefill':>7} {'err':>4} {'CPU s':>6} "
+        f"{'eng TTFT':>8} {'ej':>3}"
     )
     for name, wl in report["workloads"].items():
         print(f"\n{name} (ideal {wl['ideal']:.3f})\n{head}")
@@ -302,6 +319,10 @@ def print_table(report: dict[str, Any]) -> None:
             print(_line(f"kvroute x {label}", row))
     if report["replicas"]:
         print("(two: the client alternates between two kvroute replicas, each on every event)")
+    print(
+        "(max/min: requests per worker, most over fewest; prefill: the same for the prompt "
+        "tokens the engines computed, what was not cached)"
+    )
 
 
 def _line(router: str, row: dict[str, Any]) -> str:
@@ -311,7 +332,8 @@ def _line(router: str, row: dict[str, Any]) -> str:
     return (
         f"{router:<27} {row['cached_fraction']:>7.3f} {t['p50']:>9.1f} {t['p90']:>7.1f} "
         f"{t['p99']:>7.1f} {t['mean']:>7.1f} {row['itl_ms_p90']:>8.1f} "
-        f"{row['max_min_load']:>7.2f} {row['errors']:>4} {row.get('router_cpu_s', 0):>6.1f} "
+        f"{row['max_min_load']:>7.2f} {row.get('max_min_prefill', 0):>7.2f} "
+        f"{row['errors']:>4} {row.get('router_cpu_s', 0):>6.1f} "
         f"{row.get('engine_ttft_ms_mean', 0):>8.1f} {row.get('router_ejections', 0):>3}"
     )
 
