@@ -162,3 +162,24 @@ def test_the_client_is_warmed_before_the_first_prompt(monkeypatch: pytest.Monkey
     assert result.errors == 0 and len(result.samples) == len(w.requests)
     assert seen[:2] == ["GET 127.0.0.1:9001/health", "GET 127.0.0.1:9002/health"]
     assert all(s.startswith("POST ") for s in seen[2:]) and len(seen) == 2 + len(w.requests)
+
+
+def test_per_worker_medians_rank_each_run_busiest_first() -> None:
+    # fresh fleets: the hot worker is a different index in each run
+    def row(counts: list[int]) -> dict[str, object]:
+        return {
+            "cached_fraction": 0.8,
+            "ttft_ms": {"p50": 1.0, "p90": 2.0, "p99": 3.0, "mean": 1.5},
+            "itl_ms_p90": 1.0,
+            "requests_per_worker": counts,
+            "max_min_load": max(counts) / min(counts),
+            "prefill_tokens_per_worker": [c * 10 for c in counts],
+            "max_min_prefill": max(counts) / min(counts),
+            "errors": 0,
+        }
+
+    rows = [row([96, 32, 32, 32]), row([32, 32, 96, 32]), row([32, 40, 24, 96])]
+    out = routing.summarize(rows)
+    assert out["requests_per_worker"] == [96, 32, 32, 32]
+    assert out["prefill_tokens_per_worker"] == [960, 320, 320, 320]
+    assert out["max_min_load"] == 3.0

@@ -271,12 +271,13 @@ def pct(sorted_values: list[float], q: float) -> float:
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians over runs (per worker: median of each worker's count, by worker index)."""
+    """Medians over runs. Per worker lists are ranked busiest first in each run before the
+    median: every run starts a fresh fleet, so worker i of one run is not worker i of the
+    next (by index, runs of 96 / 32 / 32 / 32 in different orders read as 32 / 32 / 32 / 32)."""
 
     def med(get: Callable[[dict[str, Any]], float], digits: int = 1) -> float:
         return round(statistics.median(get(r) for r in rows), digits)
 
-    n_workers = len(rows[0]["requests_per_worker"])
     return {
         "cached_fraction": med(lambda r: r["cached_fraction"], 4),
         "ttft_ms": {
@@ -284,14 +285,9 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             for k in ("p50", "p90", "p99", "mean")
         },
         "itl_ms_p90": med(lambda r: r["itl_ms_p90"]),
-        "requests_per_worker": [
-            statistics.median(r["requests_per_worker"][i] for r in rows) for i in range(n_workers)
-        ],
+        "requests_per_worker": ranked_medians([r["requests_per_worker"] for r in rows]),
         "max_min_load": med(lambda r: r["max_min_load"], 2),
-        "prefill_tokens_per_worker": [
-            statistics.median(r["prefill_tokens_per_worker"][i] for r in rows)
-            for i in range(n_workers)
-        ],
+        "prefill_tokens_per_worker": ranked_medians([r["prefill_tokens_per_worker"] for r in rows]),
         "max_min_prefill": med(lambda r: r["max_min_prefill"], 2),
         "router_cpu_s": med(lambda r: r.get("router_cpu_s", 0.0)),
         "engine_ttft_ms_mean": med(lambda r: r.get("engine_ttft_ms_mean", 0.0)),
@@ -301,6 +297,12 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "cached_fraction_runs": [round(r["cached_fraction"], 4) for r in rows],
         "ttft_p90_ms_runs": [round(r["ttft_ms"]["p90"], 1) for r in rows],
     }
+
+
+def ranked_medians(per_run: list[list[int]]) -> list[float]:
+    """The median busiest worker, the median second busiest, and so on."""
+    ranked = [sorted(counts, reverse=True) for counts in per_run]
+    return [statistics.median(r[i] for r in ranked) for i in range(len(ranked[0]))]
 
 
 def print_table(report: dict[str, Any]) -> None:
