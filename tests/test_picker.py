@@ -165,6 +165,32 @@ def test_while_caches_have_room_a_new_prefix_avoids_the_worker_a_hot_prefix_keep
     assert _hot_and_cold(core(params=FULL)).route(prompt(99), NS).best.worker == "w0"
 
 
+def test_a_new_prefix_avoids_the_worker_whose_sessions_are_between_turns() -> None:
+    """w0 serves two chat sessions turn after turn; at the moment a new conversation arrives
+    both turns have just finished, so w0 and w1 both run nothing. By the count of the
+    moment they tie and the less demanded cache (w0's) would win; over the last second w0
+    was ~2 busy, and its sessions' next turns are milliseconds away: w1 takes it."""
+    c = core()
+    store(c, "w0", prompt(1))
+    store(c, "w0", prompt(2))
+    for s in range(5):
+        store(c, "w1", prompt(40 + s))  # w1: the more demanded cache (still roomy), idle
+    assert c.route(prompt(99), NS).best.worker == "w0"  # nobody busy yet: the demand tie-break
+    for turn in range(20):
+        tickets = [c.commit(c.route([*prompt(p), turn], NS), "w0") for p in (1, 2)]
+        c.clock.advance(0.1)
+        for t in tickets:
+            c.load.finish(t)
+        c.clock.advance(0.002)
+    assert c.load.view("w0").requests == 0 and c.load.view("w1").requests == 0
+    assert c.load.view("w0").busy > 1.5
+    d = c.route(prompt(99), NS)
+    assert d.best.worker == "w1" and d.best.raw["placement"] == 1.0, d.best
+    c.clock.advance(10)  # the sessions ended long ago: w0 is idle again
+    assert c.load.view("w0").busy < 0.01
+    assert c.route(prompt(98), NS).best.worker == "w0"
+
+
 def test_replicas_place_new_prefixes_by_demand_alone() -> None:
     """Replicas see each other's in-flight load only milliseconds late, so with peers the
     cost-while-roomy choice is off unless configured: the hot worker takes the prefix."""

@@ -146,9 +146,14 @@ class PlacementScorer:
         waits for the worker's queued prefills, and its own prefill stalls every request
         running there and about as many arriving while it runs (engines batch every
         waiting prefill into one step). A worker serving a stream of repeats of a hot prefix
-        has little prefill queued, but a cold prefill there delays the whole stream. Ties:
-        the less demanded cache, then the rendezvous hash, as replicas agree."""
-        wait = c.load.prefill_tokens + 2 * request.prompt_tokens * c.load.requests
+        has little prefill queued, but a cold prefill there delays the whole stream. Requests
+        running there count as the more of the moment's and the last second's average
+        (rounded to whole requests, so that idle workers still tie): a worker serving chat
+        sessions runs nothing for the few milliseconds between their turns (measured on
+        multi-turn: three new conversations in a row landed on such a worker). Ties: the
+        less demanded cache, then the rendezvous hash, as replicas agree."""
+        running = max(c.load.requests, round(c.load.busy))  # whole requests: ties stay ties
+        wait = c.load.prefill_tokens + 2 * request.prompt_tokens * running
         return (wait, level, -rendezvous(request.key, c.name))
 
 

@@ -65,7 +65,7 @@ class FleetState:
         # what was routed to each approx-mode endpoint within approx_ttl_s: its cache guess,
         # and its recent demand on its cache (the placement scorer)
         self.approx = TtlIndex(clock, approx_ttl_s)
-        self.load = LoadTracker()
+        self.load = LoadTracker(clock=clock)
         self.workers: dict[str, WorkerState] = {}
 
     def add(self, state: WorkerState, model: str = "") -> None:

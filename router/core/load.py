@@ -5,8 +5,17 @@ both (traffic from anywhere else; a scrape is up to a second old)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from indexer.clock import Clock, MonotonicClock
+
+# How far back the time-averaged in-flight count looks (seconds, exponential). A chat
+# session's next turn reaches its worker milliseconds after the last one finished, so an
+# instant count calls a worker serving two busy sessions idle between their turns; over a
+# second, it is ~2 busy.
+BUSY_TAU_S = 1.0
 
 
 @dataclass(slots=True)  # built per request: a frozen init costs ~3x
@@ -15,6 +24,8 @@ class LoadView:
     prefill_tokens: int  # uncached prompt tokens of local requests before their first token
     decode_blocks: float  # KV blocks of requests in decode, local or scraped
     kv_usage: float | None = None  # the engine's own gauge, 0..1, if scraped
+    # this router's own in-flight count on the worker, time-averaged over ~BUSY_TAU_S
+    busy: float = 0.0
 
 
 @dataclass
@@ -32,6 +43,18 @@ class _Local:
     requests: int = 0
     prefill_tokens: int = 0
     decode_blocks: int = 0
+    busy: float = 0.0  # time-averaged `requests` up to `stamp`
+    stamp: float = 0.0
+
+    def settle(self, now: float) -> None:
+        """Fold the time since the last change into `busy` before `requests` changes."""
+        keep = math.exp((self.stamp - now) / BUSY_TAU_S)
+        self.busy = self.busy * keep + self.requests * (1.0 - keep)
+        self.stamp = now
+
+    def busy_at(self, now: float) -> float:
+        keep = math.exp((self.stamp - now) / BUSY_TAU_S)
+        return self.busy * keep + self.requests * (1.0 - keep)
 
 
 @dataclass(slots=True)  # built per request: a frozen init costs ~3x
@@ -62,10 +85,12 @@ class LoadTracker:
     _peers: dict[str, dict[str, PeerLoad]] = field(default_factory=dict)  # worker -> replica
     # told the worker whose local load changed (the placement link publishes it)
     on_change: Callable[[str], None] | None = None
+    clock: Clock = field(default_factory=MonotonicClock)
 
     def start(self, worker: str, uncached_tokens: int, blocks: int) -> Ticket:
         """Count a request at the moment it is routed."""
         local = self._local.setdefault(worker, _Local())
+        local.settle(self.clock.now())
         local.requests += 1
         local.prefill_tokens += uncached_tokens
         if self.on_change is not None:
@@ -90,6 +115,7 @@ class LoadTracker:
             local.decode_blocks -= t.blocks
         else:
             local.prefill_tokens -= t.prefill_tokens
+        local.settle(self.clock.now())
         local.requests -= 1
         t.done = True
         if self.on_change is not None:
@@ -139,14 +165,17 @@ class LoadTracker:
 
     def view(self, worker: str) -> LoadView:
         known = self.known(worker)
+        local = self._local.get(worker)
+        busy = local.busy_at(self.clock.now()) if local is not None else 0.0
         s = self._scraped.get(worker)
         if s is None:
-            return LoadView(known.requests, known.prefill_tokens, known.decode_blocks)
+            return LoadView(known.requests, known.prefill_tokens, known.decode_blocks, None, busy)
         return LoadView(
             known.requests + round(s.others_requests),
             known.prefill_tokens,
             known.decode_blocks + s.others_blocks,
             s.kv_usage,
+            busy,
         )
 
     def forget(self, worker: str) -> None:
