@@ -47,6 +47,14 @@ def args(**kw: object) -> argparse.Namespace:
         ({"workers": ["http://a:1"], "approx_ttl_s": -1}, "approx_ttl_s"),
         ({"workers": ["http://a:1"], "warm_connections": -1}, "warm_connections"),
         ({"workers_dns": "no-port"}, "workers_dns"),
+        (
+            {"workers": ["http://a:1"], "scoring": {"prefill_wait_over": 0.5}},
+            "scoring.prefill_wait_over",
+        ),
+        (
+            {"workers": ["http://a:1"], "scoring": {"prefill_wait_floor_tokens": -1}},
+            "scoring.prefill_wait_floor_tokens",
+        ),
     ],
     ids=[
         "no-workers",
@@ -59,6 +67,8 @@ def args(**kw: object) -> argparse.Namespace:
         "ttl",
         "warm",
         "dns",
+        "prefill-wait-over",
+        "prefill-wait-floor",
     ],
 )
 def test_bad_config_names_the_field(doc: dict[str, object], field: str) -> None:

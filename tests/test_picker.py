@@ -191,6 +191,31 @@ def test_a_new_prefix_avoids_the_worker_whose_sessions_are_between_turns() -> No
     assert c.route(prompt(98), NS).best.worker == "w0"
 
 
+def test_a_short_prompt_does_not_queue_behind_a_long_cold_prefill_for_its_template() -> None:
+    """w0 holds a 32-token template and is prefilling a 2,400-token cold prompt. A prompt on
+    the template would wait 2,402 prefill tokens there and 34 on w1: past 2 x 34 + 2,048, so
+    w0 is not eligible and w1 recomputes the template. With the filter off (over 0), the
+    prefix credit keeps it on w0."""
+    for over, expected in ((2.0, "w1"), (0.0, "w0")):
+        c = core(prefill_wait_over=over)
+        store(c, "w0", prompt(5))
+        c.commit(c.route(prompt(7, blocks=600), NS), "w0")
+        assert c.load.view("w0").prefill_tokens == 2400
+        d = c.route([*prompt(5), 1, 2], NS)
+        assert d.best.worker == expected, d
+        if over:
+            assert "prefill wait: 2402 tokens" in str(d.score_of("w0").excluded)
+
+
+def test_siblings_of_a_prefix_still_prefilling_stay_with_it() -> None:
+    """The second request on a 2,400-token prefix that w0 is still prefilling: waiting there
+    costs about what recomputing the prefix on w1 would, so w0 stays eligible and wins."""
+    c = core()
+    c.commit(c.route(prompt(8, blocks=600), NS), "w0")
+    d = c.route([*prompt(8, blocks=600), 9], NS)
+    assert d.best.worker == "w0" and not d.excluded, d
+
+
 def test_replicas_place_new_prefixes_by_demand_alone() -> None:
     """Replicas see each other's in-flight load only milliseconds late, so with peers the
     cost-while-roomy choice is off unless configured: the hot worker takes the prefix."""

@@ -63,6 +63,12 @@ class ScoringConfig:
     # 64 made TTFT worse again; the busy bound is the overload guard)
     balance_abs: int = 32
     balance_rel: float = 1.5  # ...or this multiple of it, whichever is larger
+    # a worker where this prompt would wait for more than this multiple of the fastest
+    # worker's prefill tokens (queued + its own uncached part), plus the floor, is not
+    # eligible: a cached prefix is not worth queueing behind a long cold prefill
+    # (long-short-mix TTFT p90 113 -> 82 ms, cached 0.826 -> 0.821; 0 turns it off)
+    prefill_wait_over: float = 2.0
+    prefill_wait_floor_tokens: int = 2048
 
 
 _PEER_ENDPOINT = re.compile(r"^tcp://[^\s:/]+:\d{1,5}$")
@@ -210,6 +216,16 @@ class Config:
             _check(weight >= 0, f"scoring.weights.{scorer}", "weights must be >= 0")
         _check(self.scoring.balance_abs >= 0, "scoring.balance_abs", "must be >= 0")
         _check(self.scoring.balance_rel >= 1, "scoring.balance_rel", "must be >= 1")
+        _check(
+            self.scoring.prefill_wait_over == 0 or self.scoring.prefill_wait_over >= 1,
+            "scoring.prefill_wait_over",
+            "must be >= 1 (or 0: off)",
+        )
+        _check(
+            self.scoring.prefill_wait_floor_tokens >= 0,
+            "scoring.prefill_wait_floor_tokens",
+            "must be >= 0 tokens",
+        )
         self._check_busy()
         self._check_peers()
         self._check_processes()
@@ -286,6 +302,10 @@ class Config:
         s = self.scoring
         filter_params: dict[str, dict[str, Any]] = {
             "load_bound": {"balance_abs": s.balance_abs, "balance_rel": s.balance_rel},
+            "prefill_wait": {
+                "over": s.prefill_wait_over,
+                "floor_tokens": s.prefill_wait_floor_tokens,
+            },
             "busy": {
                 "max_requests": self.busy_max_requests,
                 "max_kv_usage": self.busy_max_kv_usage,

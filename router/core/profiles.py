@@ -18,13 +18,15 @@ from router.core.policies import Policy, PolicyState
 from router.core.scorers import build_scorers
 from router.core.scoring import Scorer
 
-DEFAULT_FILTERS = ("model", "available", "subset", "tried", "busy", "load_bound")
+DEFAULT_FILTERS = ("model", "available", "subset", "tried", "busy", "load_bound", "prefill_wait")
 # the prefill->decode handoff's profiles: the default filters plus the workers' role
 PD_ROLES: dict[str, tuple[str, ...]] = {
     "decode": ("decode", "both"),
     "prefill": ("prefill", "both"),
 }
-PD_FILTERS = ("model", "role", "available", "subset", "tried", "busy", "load_bound")
+PD_FILTERS = (
+    "model", "role", "available", "subset", "tried", "busy", "load_bound", "prefill_wait"
+)  # fmt: skip
 
 
 @dataclass
