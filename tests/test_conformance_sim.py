@@ -74,7 +74,12 @@ def test_sim_evidence_is_substantive(sim_report: tuple[int, dict[str, Any]]) -> 
     assert checks["replay"]["after_restart"]["full"]["restarts"] == 1
     quality = checks["routing-quality"]
     assert quality["workload"]["requests"] == 48
-    assert set(quality["routers"]) == {"kvroute", "round_robin", "sglang-router-cache_aware"}
+    assert set(quality["routers"]) == {
+        "kvroute",
+        "round_robin",
+        "sglang-router-cache_aware",
+        "vllm-router-cache_aware",
+    }
     fractions = quality["cached_fraction"]
     assert fractions["kvroute"] >= fractions["round_robin"] + 0.1
 

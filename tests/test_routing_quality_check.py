@@ -10,8 +10,8 @@ import pytest
 
 from conformance.checks.routing_quality import (
     MARGIN,
-    SGLANG,
-    SGLANG_SLACK,
+    PEER_SLACK,
+    PEERS,
     _judge,
     workloads,
 )
@@ -24,19 +24,28 @@ def _row(cached: float, errors: int = 0, served: tuple[int, int] = (12, 12)) -> 
     return {"cached_fraction": cached, "errors": errors, "error_texts": [], "runs": [run]}
 
 
-def _rows(kv: float, rr: float, sg: float | None) -> dict[str, dict[str, Any]]:
-    sglang = _row(sg) if sg is not None else {"skipped": "sglang-router is not installed"}
-    return {"kvroute": _row(kv), "round_robin": _row(rr), SGLANG: sglang}
+SGLANG, VLLM_ROUTER = PEERS
+
+
+def _rows(
+    kv: float, rr: float, sg: float | None, vr: float | None = 0.5
+) -> dict[str, dict[str, Any]]:
+    rows = {"kvroute": _row(kv), "round_robin": _row(rr)}
+    for name, theirs in ((SGLANG, sg), (VLLM_ROUTER, vr)):
+        rows[name] = _row(theirs) if theirs is not None else {"skipped": "not installed"}
+    return rows
 
 
 @pytest.mark.parametrize(
-    ("kv", "rr", "sg", "no_skips", "problems"),
+    ("kv", "rr", "sg", "vr", "no_skips", "problems"),
     [
-        pytest.param(0.73, 0.45, 0.68, "", 0, id="clears-both"),
-        pytest.param(0.73, 0.73 - MARGIN + 0.01, 0.68, "", 1, id="too-close-to-round-robin"),
-        pytest.param(0.60, 0.40, 0.60 + SGLANG_SLACK + 0.01, "", 1, id="behind-sglang"),
-        pytest.param(0.73, 0.45, None, "", 0, id="sglang-missing-outside-ci"),
-        pytest.param(0.73, 0.45, None, "1", 1, id="sglang-missing-in-ci-fails"),
+        pytest.param(0.73, 0.45, 0.68, 0.70, "", 0, id="clears-all"),
+        pytest.param(0.73, 0.73 - MARGIN + 0.01, 0.68, 0.7, "", 1, id="too-close-to-round-robin"),
+        pytest.param(0.60, 0.40, 0.60 + PEER_SLACK + 0.01, 0.6, "", 1, id="behind-sglang"),
+        pytest.param(0.60, 0.40, 0.6, 0.60 + PEER_SLACK + 0.01, "", 1, id="behind-vllm-router"),
+        pytest.param(0.73, 0.45, None, None, "", 0, id="peers-missing-outside-ci"),
+        pytest.param(0.73, 0.45, None, 0.7, "1", 1, id="sglang-missing-in-ci-fails"),
+        pytest.param(0.73, 0.45, 0.7, None, "1", 1, id="vllm-router-missing-in-ci-fails"),
     ],
 )
 def test_verdicts(
@@ -44,15 +53,17 @@ def test_verdicts(
     kv: float,
     rr: float,
     sg: float | None,
+    vr: float | None,
     no_skips: str,
     problems: int,
 ) -> None:
     monkeypatch.setenv("KVROUTE_NO_SKIPS", no_skips)
     f = Findings()
-    _judge(f, _rows(kv, rr, sg))
+    _judge(f, _rows(kv, rr, sg, vr))
     assert len(f.problems) == problems, f.problems
-    if sg is None:
-        assert "sglang-router is not installed" in f.evidence[f"{SGLANG}_missing"]
+    for name, theirs in ((SGLANG, sg), (VLLM_ROUTER, vr)):
+        if theirs is None:
+            assert "not installed" in f.evidence[f"{name}_missing"]
 
 
 def test_errors_fail_the_check() -> None:

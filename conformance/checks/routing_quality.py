@@ -1,12 +1,13 @@
 """Check: routing quality on the suite's own two engines. One prefix-repetition workload
 (router.bench.workloads, driven by the routing bench's client) runs through kvroute (KV
-events), round robin (kvroute's own policy, the baseline) and sglang-router's cache_aware
-(router.bench.targets starts both, as the bench does), each on caches reset in between.
+events), round robin (kvroute's own policy, the baseline), sglang-router's and vllm-router's
+cache_aware (router.bench.targets starts them, as the bench does), each on caches reset in
+between.
 The measure is the engines' own: the fraction of prompt tokens they report cached
 (`usage.prompt_tokens_details.cached_tokens`), with their /metrics prefix-cache counters
 and requests per worker alongside.
 
-kvroute must clear round robin by MARGIN and come within SGLANG_SLACK of sglang-router.
+kvroute must clear round robin by MARGIN and come within PEER_SLACK of each peer.
 A peer that cannot be installed is reported; with KVROUTE_NO_SKIPS=1 (CI) it fails the check.
 """
 
@@ -33,7 +34,8 @@ from router.bench.workloads import Repetition, Workload, prefix_repetition, text
 
 log = logging.getLogger("kvroute.conformance")
 
-ROUTERS = ("kvroute", "round_robin", "sglang-router-cache_aware")
+PEERS = ("sglang-router-cache_aware", "vllm-router-cache_aware")
+ROUTERS = ("kvroute", "round_robin", *PEERS)
 # 6 prefixes of ~500 tokens (16 blocks of 32) x 4 requests with distinct ~24-token tails,
 # 4 in flight, on two engines of 127 usable blocks. Kept on one engine each, the prefixes fit
 # in a 4/2 split with nothing lost and a 5/1 split losing ~0.01, so two KV-aware routers that
@@ -58,8 +60,7 @@ SEEDS = (0, 1)  # two orders of the same texts (48 requests): the figure is thei
 # the two the check compares. The margin is well under that gap (>= 0.17), so a noisy run
 # passes, yet a router that ignores the cache cannot.
 MARGIN = 0.10
-SGLANG_SLACK = 0.02
-SGLANG = "sglang-router-cache_aware"
+PEER_SLACK = 0.02
 Row = dict[str, Any]
 
 
@@ -81,12 +82,13 @@ def _worker(e: Engine) -> dict[str, Any]:
 
 @check(
     "routing-quality",
-    "one prefix-repetition workload on two engines through kvroute, round robin and "
-    "sglang-router cache_aware (caches reset in between): kvroute's engine-reported cached "
-    f"fraction beats round robin's by >= {MARGIN} and is within {SGLANG_SLACK} of sglang-router's",
+    "one prefix-repetition workload on two engines through kvroute, round robin, "
+    "sglang-router and vllm-router cache_aware (caches reset in between): kvroute's "
+    f"engine-reported cached fraction beats round robin's by >= {MARGIN} and is within "
+    f"{PEER_SLACK} of each peer's",
     needs=(KV_EVENTS, RESET, CACHED_TOKENS),
     engines=("main", "peer"),
-    timeout_s=1200.0,  # the first run may pip-install sglang-router
+    timeout_s=1200.0,  # the first run may pip-install the peers
 )
 async def routing_quality(ctx: Context, f: Findings) -> None:
     engines = [await ctx.engine("main"), await ctx.engine("peer")]
@@ -97,7 +99,7 @@ async def routing_quality(ctx: Context, f: Findings) -> None:
     )
     loads = workloads()
     f.note("workload", _describe(loads))
-    installed = await asyncio.to_thread(peers.ensure_peers, ["sglang-router"])
+    installed = await asyncio.to_thread(peers.ensure_peers, ["sglang-router", "vllm-router"])
     rows: dict[str, Row] = {}
     for name in ROUTERS:
         peer = TARGETS[name].peer
@@ -198,13 +200,14 @@ def _judge(f: Findings, rows: dict[str, Row]) -> None:
         f"kvroute's cached fraction {kv:.3f} is not {MARGIN} above round robin's {rr:.3f}",
     )
     _judge_spread(f, rows["kvroute"])
-    sg = rows[SGLANG].get("cached_fraction")
-    if sg is not None:
-        f.require(
-            kv >= sg - SGLANG_SLACK,
-            f"kvroute's cached fraction {kv:.3f} is below sglang-router's {sg:.3f} "
-            f"by more than {SGLANG_SLACK}",
-        )
+    for name in PEERS:
+        theirs = rows[name].get("cached_fraction")
+        if theirs is not None:
+            f.require(
+                kv >= theirs - PEER_SLACK,
+                f"kvroute's cached fraction {kv:.3f} is below {name}'s {theirs:.3f} "
+                f"by more than {PEER_SLACK}",
+            )
 
 
 def _judge_spread(f: Findings, row: Row) -> None:
