@@ -205,7 +205,7 @@ class PrefillWaitParams:
 class PrefillWaitFilter:
     """A cached prefix is not worth any wait. Measured on long-short-mix: short prompts on a
     cached 300-token template queued behind a 6,000-token document's cold prefill on their
-    template's worker (TTFT 250-600 ms), where recomputing the template elsewhere takes ~20.
+    template's worker (TTFT 250-600 ms); recomputing the template elsewhere takes ~20 ms.
     The prefix credit cannot see that: it is a fraction of this prompt, the load score a
     fraction of the busiest worker's. So an endpoint is ruled out when the prefill tokens it
     would compute before this prompt's first token (queued prefills + this prompt's

@@ -48,8 +48,7 @@ class _Local:
 
     def settle(self, now: float) -> None:
         """Fold the time since the last change into `busy` before `requests` changes."""
-        keep = math.exp((self.stamp - now) / BUSY_TAU_S)
-        self.busy = self.busy * keep + self.requests * (1.0 - keep)
+        self.busy = self.busy_at(now)
         self.stamp = now
 
     def busy_at(self, now: float) -> float:
