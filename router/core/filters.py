@@ -36,7 +36,7 @@ from router.core.decision import RouteRequest
 from router.core.errors import KvrouteError, NotFound, NoWorkerAvailable, Overloaded
 from router.core.fleet import FleetState, WorkerState
 from router.core.registry import Registry
-from router.core.scoring import Candidate, NoParams
+from router.core.scoring import Candidate, NoParams, uncached_tokens
 
 
 class Filter(Protocol):
@@ -224,7 +224,11 @@ class PrefillWaitFilter:
         p = self.params
         if not cands or p.over <= 0:
             return {}
-        waits = {c.name: _prefill_wait(req.prompt_tokens, c) for c in cands}
+        waits = {
+            c.name: c.load.prefill_tokens
+            + uncached_tokens(req.prompt_tokens, c.overlap_blocks, c.block_size)
+            for c in cands
+        }
         bound = p.over * min(waits.values()) + p.floor_tokens
         return {
             name: f"prefill wait: {w} tokens before the first > {bound:.0f}"
@@ -236,10 +240,6 @@ class PrefillWaitFilter:
         self, req: RouteRequest, excluded: Mapping[str, str], fleet: FleetState
     ) -> KvrouteError | None:
         return None
-
-
-def _prefill_wait(prompt_tokens: int, c: Candidate) -> int:
-    return c.load.prefill_tokens + max(0, prompt_tokens - c.overlap_blocks * c.block_size)
 
 
 @dataclass(frozen=True)

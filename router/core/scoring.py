@@ -37,6 +37,12 @@ class Candidate:
         return sum(self.overlap_by_tier.values())
 
 
+def uncached_tokens(prompt_tokens: int, overlap_blocks: int, block_size: int) -> int:
+    """The prompt tokens a worker must prefill: those past its cached leading blocks. The
+    in-flight load counts this at the pick, and the prefill-wait filter weighs the same."""
+    return max(0, prompt_tokens - overlap_blocks * block_size)
+
+
 @dataclass(slots=True)  # built per request: a frozen init costs ~3x
 class ScoreRequest:
     prompt_tokens: int
