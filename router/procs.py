@@ -10,7 +10,6 @@ import secrets
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any, Self
 import httpx
 
 from engines.sim.fleet import FleetProcess as _SimFleet
-from engines.sim.fleet import start_fleet_process, stop_process
+from engines.sim.fleet import drop_scratch, scratch_dir, start_fleet_process, stop_process
 
 
 def free_port() -> int:
@@ -83,7 +82,10 @@ class RouterProcess(_Stoppable):
         extra: Sequence[str] = (),
         ready_timeout: float = 30.0,
         env: dict[str, str] | None = None,
+        log_dir: Path | None = None,
     ) -> None:
+        """`log_dir`: keep the log there (a report names it); by default it goes to a
+        scratch folder that `stop()` removes unless the router failed."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # /admin and /debug are off without a token: each router gets its own (callers
@@ -105,7 +107,10 @@ class RouterProcess(_Stoppable):
         if tokenizer is not None:
             cmd += ["--tokenizer", str(tokenizer)]
         cmd += list(extra)
-        self.log_path = Path(tempfile.mkdtemp(prefix="kvroute-router-")) / "router.log"
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+        self._scratch = scratch_dir("kvroute-router-") if log_dir is None else None
+        self.log_path = (log_dir or self._scratch or Path()) / "router.log"
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 cmd,
@@ -116,7 +121,7 @@ class RouterProcess(_Stoppable):
         try:
             self._wait_ready(ready_timeout)
         except BaseException:
-            self.stop()
+            stop_process(self.proc)  # its log stays: the error quotes it
             raise
 
     def _wait_ready(self, timeout: float) -> None:
@@ -151,7 +156,7 @@ class RouterProcess(_Stoppable):
         return self.log_path.read_text(errors="replace")[-3000:]
 
     def stop(self, timeout: float = 10.0) -> None:
-        stop_process(self.proc, timeout)
+        drop_scratch(self._scratch, stop_process(self.proc, timeout))
 
 
 def _quiet_server_class() -> Any:

@@ -300,3 +300,15 @@ def test_metric_files_are_written_once_per_loop_turn_and_on_every_loop(
     loop.close()
     assert on_file() == 6.0
     assert asyncio.run(turn()) == (6.0, 21.0)  # the next loop's first turn writes it all
+
+
+def test_a_router_child_leaves_no_folder_after_a_clean_stop(
+    fleet: FleetProcess, tmp_path: Path
+) -> None:
+    with RouterProcess(fleet.urls, tokenizer=PACKAGED_TOKENIZER) as r:
+        assert r.log_path.exists()
+    assert not r.log_path.parent.exists()
+    kept = tmp_path / "logs"  # a caller's folder (a report names it) is never removed
+    with RouterProcess(fleet.urls, tokenizer=PACKAGED_TOKENIZER, log_dir=kept) as r:
+        assert r.log_path.parent == kept
+    assert r.log_path.exists()

@@ -3,14 +3,23 @@
 from __future__ import annotations
 
 import json
+import shutil
+import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
 
 from engines.sim.config import ConfigError, SimConfig
-from engines.sim.fleet import fleet_configs, run_fleet, start_fleet_process
+from engines.sim.fleet import (
+    KEEP_LOGS_ENV,
+    drop_scratch,
+    fleet_configs,
+    run_fleet,
+    start_fleet_process,
+)
 from router.cli import build_parser, main
 
 
@@ -50,6 +59,36 @@ def test_fleet_subprocess_starts_and_stops_by_pid() -> None:
         assert proc.stop() == 0
     with pytest.raises(httpx.ConnectError):
         httpx.get(workers[0]["url"] + "/health", timeout=2)
+    assert not proc.log.parent.exists()  # a clean stop leaves no folder behind
+
+
+def test_a_fleet_that_fails_to_start_keeps_its_log_and_names_it() -> None:
+    with pytest.raises(RuntimeError, match="did not start") as err:
+        start_fleet_process(2, ["--no-events-on", "7"])
+    log = Path(str(err.value).split("log ", 1)[1].split(")", 1)[0])
+    try:
+        assert "--no-events-on" in log.read_text()
+    finally:
+        shutil.rmtree(log.parent)
+
+
+@pytest.mark.parametrize(
+    ("codes", "kept"),
+    [((0,), False), ((-signal.SIGTERM, 0), False), ((143,), False), ((-9,), True), ((0, 1), True)],
+)
+def test_a_child_folder_goes_only_after_a_clean_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, codes: tuple[int, ...], kept: bool
+) -> None:
+    monkeypatch.delenv(KEEP_LOGS_ENV, raising=False)
+    folder = tmp_path / "child"
+    folder.mkdir()
+    (folder / "x.log").write_text("boom")
+    drop_scratch(folder, *codes)
+    assert folder.exists() == kept
+    monkeypatch.setenv(KEEP_LOGS_ENV, "1")
+    folder.mkdir(exist_ok=True)
+    drop_scratch(folder, 0)
+    assert folder.exists()
 
 
 def test_fleet_cli_reports_bad_flags() -> None:

@@ -191,7 +191,11 @@ async def fleet(ctx: Context, f: Findings) -> None:
     a, b = await ctx.engine("main"), await ctx.engine("peer")
     tok = LocalTokenizer(ctx.tokenizer_dir)
     router = await asyncio.to_thread(
-        RouterProcess, [a.url, b.url], tokenizer=ctx.tokenizer_dir, ready_timeout=90.0
+        RouterProcess,
+        [a.url, b.url],
+        tokenizer=ctx.tokenizer_dir,
+        ready_timeout=90.0,
+        log_dir=ctx.workdir / "fleet-router",
     )
     atexit.register(router.stop)  # RouterProcess is a plain child: stop it on any exit
     try:

@@ -18,7 +18,6 @@ import random
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from engines.sim.fleet import stop_process
+from engines.sim.fleet import drop_scratch, scratch_dir, stop_process
 from router.procs import RouterProcess, free_port
 
 SIM_ARGS = ("--block-size", "16", "--kv-blocks", "1024", "--topic", "kv-events")
@@ -53,8 +52,9 @@ class SimProcess:
     def __init__(self, port: int | None = None, args: tuple[str, ...] = SIM_ARGS) -> None:
         self.port = port or free_port()
         self.args = args
-        self.log = Path(tempfile.mkdtemp(prefix="kvroute-fault-sim-")) / "sim.log"
+        self.log = scratch_dir("kvroute-fault-sim-") / "sim.log"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.killed = False  # by a fault: its SIGKILL is no failure of its own
         self.start()
 
     @property
@@ -66,6 +66,7 @@ class SimProcess:
         return f"127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 30.0) -> None:
+        self.killed = False
         cmd = [sys.executable, "-m", "router.cli", "--log-level", "WARNING", "sim"]
         cmd += ["--port", str(self.port), *self.args]
         with self.log.open("ab") as log:
@@ -87,12 +88,16 @@ class SimProcess:
         self.signal(signal.SIGKILL)
         assert self.proc is not None
         self.proc.wait()
+        self.killed = True
 
     def stop(self) -> None:
+        """SIGTERM (after SIGCONT: a fault may have paused it); its log's folder goes
+        unless it failed on its own."""
         if self.proc is not None:
             if self.proc.poll() is None:
                 os.kill(self.proc.pid, signal.SIGCONT)
-            stop_process(self.proc, 5)
+            code = stop_process(self.proc, 5)
+            drop_scratch(self.log.parent, 0 if self.killed and code == -signal.SIGKILL else code)
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-1500:] if self.log.exists() else ""

@@ -26,6 +26,7 @@ import asyncio
 import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -162,6 +163,27 @@ def _write_atomic(path: Path, text: str) -> None:
 # ---- as a subprocess -----------------------------------------------------------------------
 
 
+KEEP_LOGS_ENV = "KVROUTE_KEEP_LOGS"
+# how a child we stopped ends: it exits 0 on SIGTERM, or dies of it (-15; 143 via a shell)
+STOPPED_CODES = frozenset({0, -signal.SIGTERM, 128 + signal.SIGTERM})
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A private folder for a child process's log and files; `drop_scratch` removes it."""
+    return Path(tempfile.mkdtemp(prefix=prefix))
+
+
+def drop_scratch(folder: Path | None, *codes: int | None) -> None:
+    """Remove a stopped child's folder when every exit code says it was simply stopped. A
+    child that failed or had to be killed keeps its log for whoever reads the error that
+    quoted it (benchmarks and test runs would otherwise leave a folder per child behind);
+    KVROUTE_KEEP_LOGS=1 keeps every one."""
+    if folder is None or os.environ.get(KEEP_LOGS_ENV, "") not in ("", "0"):
+        return
+    if all(code in STOPPED_CODES for code in codes):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def stop_process(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> int:
     """End a child we started, by its PID: SIGTERM, then SIGKILL after `timeout`."""
     if proc.poll() is None:
@@ -193,9 +215,12 @@ class FleetProcess:
         return workers
 
     def stop(self, timeout: float = 10.0) -> int:
-        """SIGTERM, then SIGKILL after `timeout`; returns the exit status."""
+        """SIGTERM, then SIGKILL after `timeout`; returns the exit status. The folder with
+        its JSON and log goes too, unless the fleet failed (`drop_scratch`)."""
         atexit.unregister(self.stop)
-        return stop_process(self.proc, timeout)
+        code = stop_process(self.proc, timeout)
+        drop_scratch(self.log.parent, code)
+        return code
 
     def __enter__(self) -> Self:
         return self
@@ -213,7 +238,7 @@ def start_fleet_process(
     workers: int = 2, args: Sequence[str] = (), timeout: float = 60.0
 ) -> FleetProcess:
     """Start `kvroute fleet --workers N ARGS...` and wait until every worker serves."""
-    tmp = Path(tempfile.mkdtemp(prefix="kvroute-fleet-"))
+    tmp = scratch_dir("kvroute-fleet-")
     json_path, log_path = tmp / "fleet.json", tmp / "fleet.log"
     cmd = [sys.executable, "-m", "router.cli", "fleet", "--workers", str(workers)]
     cmd += ["--json", str(json_path), *args]
@@ -222,9 +247,9 @@ def start_fleet_process(
     deadline = time.monotonic() + timeout
     while not json_path.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
-            FleetProcess(proc, {}, log_path).stop(timeout=2)
+            stop_process(proc, timeout=2)  # its folder stays: the error names its log
             raise RuntimeError(
-                f"kvroute fleet did not start (exit {proc.returncode}): "
+                f"kvroute fleet did not start (exit {proc.returncode}; log {log_path}): "
                 f"{log_path.read_text(errors='replace')[-2000:]}"
             )
         time.sleep(0.05)

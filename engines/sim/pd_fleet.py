@@ -25,7 +25,6 @@ import os
 import selectors
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -35,7 +34,7 @@ from types import TracebackType
 from typing import Any, Self
 
 from engines.sim.config import SimConfig
-from engines.sim.fleet import Fleet, run_fleet, stop_process
+from engines.sim.fleet import Fleet, drop_scratch, run_fleet, scratch_dir, stop_process
 from engines.sim.pd_config import PORT_ENV, ROLES, KVTransferConfig
 
 PD_TOPIC = "kv-events"
@@ -92,6 +91,7 @@ class PDFleetProcess:
         self.procs: list[subprocess.Popen[bytes]] = []
         self.prefill: list[dict[str, Any]] = []
         self.decode: list[dict[str, Any]] = []
+        self.failed = False  # a worker did not start: its log stays where the error named it
         atexit.register(self.stop)  # never leave workers behind the interpreter
 
     @property
@@ -107,11 +107,15 @@ class PDFleetProcess:
         return [w["url"] for w in self.decode]
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Every worker by PID; their logs' folder goes too, unless one of them failed."""
         atexit.unregister(self.stop)
+        codes = []
         for proc in reversed(self.procs):
-            stop_process(proc, timeout)
+            codes.append(stop_process(proc, timeout))
             if proc.stdout is not None:
                 proc.stdout.close()
+        if not self.failed:
+            drop_scratch(self.log_dir, *codes)
 
     def __enter__(self) -> Self:
         return self
@@ -136,7 +140,7 @@ def start_pd_fleet(
 ) -> PDFleetProcess:
     """Start `prefill` producers and `decode` consumers, each `kvroute sim ARGS ROLE_ARGS`,
     and wait until every one serves. Raises RuntimeError (with the log tail) otherwise."""
-    fleet = PDFleetProcess(Path(tempfile.mkdtemp(prefix="kvroute-pd-")))
+    fleet = PDFleetProcess(scratch_dir("kvroute-pd-"))
     try:
         for role, n, extra in (("prefill", prefill, prefill_args), ("decode", decode, decode_args)):
             kv_role = "producer" if role == "prefill" else "consumer"
@@ -146,6 +150,7 @@ def start_pd_fleet(
                 info = _start_worker(fleet, name, cmd, timeout)
                 (fleet.prefill if role == "prefill" else fleet.decode).append(info)
     except BaseException:
+        fleet.failed = True
         fleet.stop(timeout=2)
         raise
     return fleet
@@ -163,7 +168,7 @@ def _start_worker(
     line = _first_line(proc, timeout)
     if line is None:
         raise RuntimeError(
-            f"kvroute sim {name} did not start (exit {proc.poll()}): "
+            f"kvroute sim {name} did not start (exit {proc.poll()}; log {log_path}): "
             f"{log_path.read_text(errors='replace')[-2000:]}"
         )
     info: dict[str, Any] = json.loads(line)

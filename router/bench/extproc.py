@@ -193,10 +193,10 @@ def run(
         raise SystemExit(f"kvroute bench extproc needs Envoy: {INSTALL_HINT}")
     ports = [free_port(), free_port()]
     workers = [Endpoint("127.0.0.1", p) for p in ports]
-    lua = write_shared_prefix_lua(Path(tempfile.mkdtemp(prefix="kvroute-bench-")))
     has_picker = kvroute_has_picker()
     results: dict[str, Any] = {"seconds": seconds, "repeat": repeat, "paths": {}}
-    with backend(ports):
+    with tempfile.TemporaryDirectory(prefix="kvroute-bench-") as scratch, backend(ports):
+        lua = write_shared_prefix_lua(Path(scratch))
         for name, factory in PATHS.items():
             if only and name not in only and name != "direct":
                 continue

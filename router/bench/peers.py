@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import NamedTuple
 
 import httpx
 
+from engines.sim.fleet import drop_scratch, scratch_dir
 from router.procs import free_port
 
 PEERS_VENV = Path(os.environ.get("KVROUTE_PEERS_VENV", Path.home() / ".cache/kvroute/bench-peers"))
@@ -88,11 +88,13 @@ class Peer(NamedTuple):
 def child(cmd: list[str], url: str, ready_path: str, timeout: float = 60) -> Iterator[Peer]:
     """Run a peer in its own session until the block ends; yields it once `ready_path`
     answers 200. Its output goes to a log file quoted when it dies early."""
-    log_path = Path(tempfile.mkdtemp(prefix="kvroute-peer-")) / "peer.log"
+    log_path = scratch_dir("kvroute-peer-") / "peer.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    ready = False
     try:
         _wait_ready(proc, cmd[0], url + ready_path, log_path, timeout)
+        ready = True
         yield Peer(url, proc.pid)
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -102,6 +104,8 @@ def child(cmd: list[str], url: str, ready_path: str, timeout: float = 60) -> Ite
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        if ready:  # a peer that never served keeps its log (the error quoted it)
+            drop_scratch(log_path.parent, proc.returncode)
 
 
 def _wait_ready(
@@ -115,5 +119,5 @@ def _wait_ready(
             if httpx.get(url, timeout=1).status_code == 200:
                 return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{name} not ready in {timeout} s")
+            raise RuntimeError(f"{name} not ready in {timeout} s (log {log_path})")
         time.sleep(0.2)

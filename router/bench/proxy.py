@@ -196,12 +196,15 @@ def run(
         raise SystemExit("kvroute bench proxy needs wrk (apt-get install wrk)")
     ports = [free_port(), free_port()]
     workers = [f"http://127.0.0.1:{p}" for p in ports]
-    tmp = Path(tempfile.mkdtemp(prefix="kvroute-bench-"))
     tok = LocalTokenizer(PACKAGED_TOKENIZER)
     mixes = [Mix(name, tok) for name in (prompts or MIXES)]
-    luas = {m.name: m.write(tmp) for m in mixes}
     by: dict[str, Any] = {m.name: {"targets": {}, "tokenizer": floor(m)} for m in mixes}
-    with backend(ports) as backend_pid, contextlib.ExitStack() as stack:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvroute-bench-") as scratch,
+        backend(ports) as backend_pid,
+        contextlib.ExitStack() as stack,
+    ):
+        luas = {m.name: m.write(Path(scratch)) for m in mixes}
         targets = {"direct": Target(workers[0], backend_pid)}
         for name, factory in TARGETS.items():
             if only and name not in only:

@@ -62,17 +62,18 @@ def command(w: Workload, url: str, seed: int, result: Path) -> list[str]:
 def vllm_bench_serve(w: Workload, url: str, seed: int = 0) -> dict[str, Any]:
     if not available():
         raise VllmDriverError(f"no vLLM venv at {VLLM_VENV}: run conformance/setup_vllm.sh")
-    result = Path(tempfile.mkdtemp(prefix="kvroute-vllm-bench-")) / "result.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     env.update(VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     for key in ("VIRTUAL_ENV", "PYTHONPATH"):
         env.pop(key, None)
-    proc = subprocess.run(
-        command(w, url, seed, result), env=env, capture_output=True, text=True, timeout=900
-    )
-    if proc.returncode != 0 or not result.exists():
-        raise VllmDriverError(f"vllm bench serve failed: {proc.stderr[-2000:]}")
-    return row_from_result(json.loads(result.read_text()))
+    with tempfile.TemporaryDirectory(prefix="kvroute-vllm-bench-") as folder:
+        result = Path(folder) / "result.json"
+        proc = subprocess.run(
+            command(w, url, seed, result), env=env, capture_output=True, text=True, timeout=900
+        )
+        if proc.returncode != 0 or not result.exists():
+            raise VllmDriverError(f"vllm bench serve failed: {proc.stderr[-2000:]}")
+        return row_from_result(json.loads(result.read_text()))
 
 
 def row_from_result(doc: dict[str, Any]) -> dict[str, Any]:

