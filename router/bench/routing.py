@@ -10,7 +10,7 @@ the engines: cached-token fraction from each response's
 the request order, the simulator and the random policy. The capacity-aware ideal
 (router.bench.ideal) is computed for the same orders.
 
-JSON: {"workloads": {NAME: {"ideal": F, "routers": {ROUTER: ROW}}},
+JSON: {"workloads": {NAME: {"ideal": F, "routers": {ROUTER: ROW}, "paired": {PAIR: DIFF}}},
        "replicas": {NAME: {"one": ROW, "two": ROW}}}
 ROW: {"cached_fraction", "ttft_ms": {"p50", "p90", "p99", "mean"}, "itl_ms_p90",
       "requests_per_worker": [...], "max_min_load", "prefill_tokens_per_worker": [...] and
@@ -20,6 +20,9 @@ ROW: {"cached_fraction", "ttft_ms": {"p50", "p90", "p99", "mean"}, "itl_ms_p90",
       "router_cpu_s" (CPU seconds the router processes used during the drive),
       "engine_ttft_ms_mean" (the engines' own TTFT: what the client saw less the router),
       "router_ejections" (kvroute: workers ejected on failed health checks, all runs)}
+PAIR: "kvroute vs PEER" (and "kvroute-approx vs PEER"), run i of each on the same seed;
+DIFF: {"cached_diff", "ttft_p90_diff_ms" (medians of ours minus the peer's, per run),
+       "ttft_p90_lower_runs" (runs where ours had the lower p90), "runs"}
 """
 
 from __future__ import annotations
@@ -112,7 +115,35 @@ def _workload(
             routers[router] = {"skipped": "the oracle needs the bench's own driver"}
         else:
             routers[router] = _measure_or_fail(plan, loads, router, t)
-    return {"ideal": round(ideal, 4), "routers": routers}
+    return {"ideal": round(ideal, 4), "routers": routers, "paired": paired(routers, targets)}
+
+
+OURS = ("kvroute", "kvroute-approx")
+
+
+def paired(routers: dict[str, Any], targets: dict[str, Target]) -> dict[str, Any]:
+    """kvroute (and its approximate mode) against each peer router, run by run: run i of
+    every router replays the same seed, so the differences of paired runs are what the
+    router changed, not which order the workload came in. A TTFT p90 spreads 10-20% between
+    runs on a shared machine while two routers' medians differ by a few percent, so the
+    median difference and how many runs went each way say more than two medians do."""
+    out: dict[str, Any] = {}
+    for ours in OURS:
+        a = routers.get(ours, {})
+        if "skipped" in a or not a:
+            continue
+        for name, b in routers.items():
+            if "skipped" in b or targets[name].peer is None:
+                continue
+            runs = list(zip(a["ttft_p90_ms_runs"], b["ttft_p90_ms_runs"], strict=True))
+            cached = zip(a["cached_fraction_runs"], b["cached_fraction_runs"], strict=True)
+            out[f"{ours} vs {name}"] = {
+                "cached_diff": round(statistics.median(x - y for x, y in cached), 4),
+                "ttft_p90_diff_ms": round(statistics.median(x - y for x, y in runs), 1),
+                "ttft_p90_lower_runs": sum(1 for x, y in runs if x < y),
+                "runs": len(runs),
+            }
+    return out
 
 
 def _measure_or_fail(plan: Plan, loads: list[Workload], router: str, t: Target) -> dict[str, Any]:
@@ -315,6 +346,12 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"\n{name} (ideal {wl['ideal']:.3f})\n{head}")
         for router, row in wl["routers"].items():
             print(_line(router, row))
+        for pair, d in wl.get("paired", {}).items():
+            print(
+                f"  {pair}, paired by seed: cached {d['cached_diff']:+.4f}, TTFT p90 "
+                f"{d['ttft_p90_diff_ms']:+.1f} ms (lower in {d['ttft_p90_lower_runs']} of "
+                f"{d['runs']} runs)"
+            )
     for name, pair in report["replicas"].items():
         print(f"\nreplicas: {name}\n{head}")
         for label, row in pair.items():
