@@ -207,3 +207,39 @@ def test_paired_comparison_is_run_by_run_against_each_peer() -> None:
         "ttft_p90_lower_runs": 2,
         "runs": 3,
     }
+
+
+def test_routers_take_turns_run_by_run_and_a_failing_one_is_a_row(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[tuple[int, str]] = []
+
+    def fake_run(
+        plan: routing.Plan, w: object, seed: int, router: str, t: object
+    ) -> dict[str, object]:
+        calls.append((seed, router))
+        if router == "random" and seed == 1:
+            raise RuntimeError("router died")
+        return {
+            "cached_fraction": 0.5,
+            "ttft_ms": {"p50": 1.0, "p90": 2.0 + seed, "p99": 3.0, "mean": 1.5},
+            "itl_ms_p90": 1.0,
+            "requests_per_worker": [1, 1],
+            "max_min_load": 1.0,
+            "prefill_tokens_per_worker": [10, 10],
+            "max_min_prefill": 1.0,
+            "errors": 0,
+        }
+
+    monkeypatch.setattr(routing, "_logged_run", fake_run)
+    plan = routing.Plan(["seed"], ["kvroute", "random", "round_robin"], (), runs=3, scale=0.1)
+    out = routing._workload(plan, "seed", with_config(None), {})
+    # drift on a shared machine falls on every router alike: seed by seed, not router by router
+    assert calls == [
+        (0, "kvroute"), (0, "random"), (0, "round_robin"),
+        (1, "kvroute"), (1, "random"), (1, "round_robin"),
+        (2, "kvroute"), (2, "round_robin"),
+    ]  # fmt: skip
+    assert out["routers"]["random"]["skipped"].startswith("failed: router died")
+    assert out["routers"]["kvroute"]["ttft_p90_ms_runs"] == [2.0, 3.0, 4.0]
+    assert list(out["routers"]) == ["kvroute", "random", "round_robin"]

@@ -104,9 +104,13 @@ def run(plan: Plan, json_path: Path | None = None, plot_path: Path | None = None
 def _workload(
     plan: Plan, name: str, targets: dict[str, Target], installed: dict[str, str | None]
 ) -> dict[str, Any]:
+    """Every router on one workload. The routers take turns run by run (seed 0 through
+    each, then seed 1, ...), so the drift of a shared machine over the minutes of a
+    sitting falls on all of them alike rather than on whichever ran last."""
     loads = [build(name, seed, plan.scale) for seed in range(plan.runs)]
     ideal = statistics.median(ideal_fraction(w) for w in loads)
     routers: dict[str, Any] = {}
+    rows: dict[str, list[dict[str, Any]]] = {}
     for router in plan.routers:
         t = targets[router]
         if t.peer is not None and installed.get(t.peer) is None:
@@ -114,7 +118,19 @@ def _workload(
         elif t.oracle and plan.driver == "vllm":
             routers[router] = {"skipped": "the oracle needs the bench's own driver"}
         else:
-            routers[router] = _measure_or_fail(plan, loads, router, t)
+            routers[router], rows[router] = {}, []
+    for seed, w in enumerate(loads):
+        for router, done in rows.items():
+            if "skipped" in routers[router]:
+                continue
+            try:  # a router that fails to start or dies is a row that says so
+                done.append(_logged_run(plan, w, seed, router, targets[router]))
+            except (RuntimeError, OSError, KeyError) as exc:
+                print(f"  {router}: failed: {exc}", file=sys.stderr)
+                routers[router] = {"skipped": f"failed: {str(exc)[:300]}"}
+    for router, done in rows.items():
+        if "skipped" not in routers[router]:
+            routers[router] = summarize(done)
     return {"ideal": round(ideal, 4), "routers": routers, "paired": paired(routers, targets)}
 
 
@@ -168,18 +184,20 @@ def _replicas(
 
 def measure(plan: Plan, loads: list[Workload], router: str, target: Target) -> dict[str, Any]:
     """One router on one workload: `len(loads)` runs, each on a fresh fleet; medians."""
+    return summarize([_logged_run(plan, w, seed, router, target) for seed, w in enumerate(loads)])
+
+
+def _logged_run(plan: Plan, w: Workload, seed: int, router: str, target: Target) -> dict[str, Any]:
     drive_fn = _drive_vllm if plan.driver == "vllm" else _drive_own
-    rows = []
-    for seed, w in enumerate(loads):
-        t0 = time.monotonic()
-        rows.append(one_run(w, target, seed, drive_fn))
-        print(
-            f"  {w.name} / {router} run {seed + 1}/{len(loads)}: cached "
-            f"{rows[-1]['cached_fraction']:.3f}, {time.monotonic() - t0:.0f} s",
-            file=sys.stderr,
-            flush=True,
-        )
-    return summarize(rows)
+    t0 = time.monotonic()
+    row = one_run(w, target, seed, drive_fn)
+    print(
+        f"  {w.name} / {router} run {seed + 1}/{plan.runs}: cached "
+        f"{row['cached_fraction']:.3f}, {time.monotonic() - t0:.0f} s",
+        file=sys.stderr,
+        flush=True,
+    )
+    return row
 
 
 def one_run(w: Workload, target: Target, seed: int, drive_fn: Drive) -> dict[str, Any]:
