@@ -128,7 +128,10 @@ class RouterProcess(_Stoppable):
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"kvroute serve exited {self.proc.returncode}: {self.log()}")
+                raise RuntimeError(
+                    f"kvroute serve exited {self.proc.returncode} (log {self.log_path}): "
+                    f"{self.log()}"
+                )
             try:
                 ready = httpx.get(f"{self.url}/ready", timeout=1).status_code == 200
                 if ready and self._every_process_answers():
@@ -136,7 +139,9 @@ class RouterProcess(_Stoppable):
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        raise RuntimeError(f"kvroute serve not ready in {timeout} s: {self.log()}")
+        raise RuntimeError(
+            f"kvroute serve not ready in {timeout} s (log {self.log_path}): {self.log()}"
+        )
 
     def _every_process_answers(self) -> bool:
         """With --processes N, all N: one still starting gets no connection opened now, and

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -58,6 +59,9 @@ async def router(n: int = 2, sim_args: tuple[str, ...] = (), **config: Any) -> A
         for f in fleets:
             os.kill(f.pid, signal.SIGCONT)  # in case a test left it stopped
             await asyncio.to_thread(f.stop)
+            # a fleet these tests SIGKILLed on purpose keeps its folder (a failed child
+            # does): nothing in it is news here
+            shutil.rmtree(f.log.parent, ignore_errors=True)
 
 
 def body(prompt: str, **kw: Any) -> dict[str, Any]:

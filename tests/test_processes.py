@@ -169,10 +169,15 @@ def _zombie(pid: int) -> bool:
 
 def test_a_start_up_error_stops_the_supervisor(fleet: FleetProcess, tmp_path: Path) -> None:
     """Every process failing at start (here: no tokenizer there) exits non-zero, once."""
-    with pytest.raises(RuntimeError, match="exited"):
+    with pytest.raises(RuntimeError, match="exited") as err:
         RouterProcess(
-            fleet.urls, tokenizer=tmp_path / "missing", extra=["--processes", "2"], ready_timeout=20
+            fleet.urls,
+            tokenizer=tmp_path / "missing",
+            extra=["--processes", "2"],
+            ready_timeout=20,
+            log_dir=tmp_path / "logs",  # a failed child keeps its log: here, in pytest's folder
         )
+    assert f"log {tmp_path / 'logs' / 'router.log'}" in str(err.value)
 
 
 @pytest.mark.parametrize(
