@@ -107,10 +107,12 @@ class RouterProcess(_Stoppable):
         if tokenizer is not None:
             cmd += ["--tokenizer", str(tokenizer)]
         cmd += list(extra)
-        if log_dir is not None:
+        self._scratch: Path | None = None
+        if log_dir is None:
+            log_dir = self._scratch = scratch_dir("kvroute-router-")
+        else:
             log_dir.mkdir(parents=True, exist_ok=True)
-        self._scratch = scratch_dir("kvroute-router-") if log_dir is None else None
-        self.log_path = (log_dir or self._scratch or Path()) / "router.log"
+        self.log_path = log_dir / "router.log"
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
                 cmd,

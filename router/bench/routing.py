@@ -118,19 +118,16 @@ def _workload(
         elif t.oracle and plan.driver == "vllm":
             routers[router] = {"skipped": "the oracle needs the bench's own driver"}
         else:
-            routers[router], rows[router] = {}, []
+            routers[router], rows[router] = {}, []  # its place in the plan's order
     for seed, w in enumerate(loads):
-        for router, done in rows.items():
-            if "skipped" in routers[router]:
-                continue
-            try:  # a router that fails to start or dies is a row that says so
-                done.append(_logged_run(plan, w, seed, router, targets[router]))
-            except (RuntimeError, OSError, KeyError) as exc:
-                print(f"  {router}: failed: {exc}", file=sys.stderr)
-                routers[router] = {"skipped": f"failed: {str(exc)[:300]}"}
+        for router in list(rows):
+            try:
+                rows[router].append(_logged_run(plan, w, seed, router, targets[router]))
+            except FAILURES as exc:
+                routers[router] = _failed(router, exc)
+                del rows[router]
     for router, done in rows.items():
-        if "skipped" not in routers[router]:
-            routers[router] = summarize(done)
+        routers[router] = summarize(done)
     return {"ideal": round(ideal, 4), "routers": routers, "paired": paired(routers, targets)}
 
 
@@ -162,13 +159,20 @@ def paired(routers: dict[str, Any], targets: dict[str, Target]) -> dict[str, Any
     return out
 
 
+# a router that fails to start or dies is a row that says so, not a lost table
+FAILURES = (RuntimeError, OSError, KeyError)
+
+
+def _failed(router: str, exc: BaseException) -> dict[str, Any]:
+    print(f"  {router}: failed: {exc}", file=sys.stderr)
+    return {"skipped": f"failed: {str(exc)[:300]}"}
+
+
 def _measure_or_fail(plan: Plan, loads: list[Workload], router: str, t: Target) -> dict[str, Any]:
-    """A router that fails to start or dies is a row that says so, not a lost table."""
     try:
         return measure(plan, loads, router, t)
-    except (RuntimeError, OSError, KeyError) as exc:
-        print(f"  {router}: failed: {exc}", file=sys.stderr)
-        return {"skipped": f"failed: {str(exc)[:300]}"}
+    except FAILURES as exc:
+        return _failed(router, exc)
 
 
 def _replicas(
