@@ -40,6 +40,7 @@ def test_harness_json_shape_and_kvroute_beats_round_robin(tmp_path: Path) -> Non
         assert set(row["ttft_ms"]) == {"p50", "p90", "p99", "mean"}
         assert row["runs"] == 3 and row["errors"] == 0
         assert sorted(row["ttft_p90_ms_runs"])[1] == row["ttft_ms"]["p90"]  # the median run
+        assert sorted(row["max_min_load_runs"])[1] == row["max_min_load"]
         assert sum(row["requests_per_worker"]) > 0 and len(row["requests_per_worker"]) == 2
         computed = row["prefill_tokens_per_worker"]  # the engines' queries less their hits
         assert len(computed) == 2 and all(n > 0 for n in computed), computed
@@ -184,6 +185,27 @@ def test_per_worker_medians_rank_each_run_busiest_first() -> None:
     assert out["requests_per_worker"] == [96, 32, 32, 32]
     assert out["prefill_tokens_per_worker"] == [960, 320, 320, 320]
     assert out["max_min_load"] == 3.0
+    assert out["max_min_load_runs"] == [3.0, 3.0, 4.0]  # each run's, in run order
+
+
+def test_replicas_print_each_runs_max_min(capsys: pytest.CaptureFixture[str]) -> None:
+    """A median of five reads 1.00 or 1.40 by chance where runs split; the runs show it."""
+
+    def row(mm: list[float]) -> dict[str, object]:
+        return {
+            "cached_fraction": 0.7,
+            "ttft_ms": {"p50": 1.0, "p90": 2.0, "p99": 3.0, "mean": 1.5},
+            "itl_ms_p90": 1.0,
+            "max_min_load": sorted(mm)[len(mm) // 2],
+            "max_min_load_runs": mm,
+            "errors": 0,
+        }
+
+    one, two = row([1.0, 1.0, 1.0]), row([1.4, 1.0, 1.4])
+    routing.print_table({"workloads": {}, "replicas": {"multi-turn": {"one": one, "two": two}}})
+    out = capsys.readouterr().out
+    assert "max/min per run, one: 1.00 1.00 1.00" in out
+    assert "max/min per run, two: 1.40 1.00 1.40" in out
 
 
 def test_paired_comparison_is_run_by_run_against_each_peer() -> None:

@@ -17,6 +17,7 @@ ROW: {"cached_fraction", "ttft_ms": {"p50", "p90", "p99", "mean"}, "itl_ms_p90",
       "max_min_prefill" (prompt tokens each engine computed: its prefix-cache queries less
       hits), "errors", "runs", "cached_fraction_runs",
       "ttft_p90_ms_runs" (each run's p90: a 192-request run's p90 spreads by tens of percent),
+      "max_min_load_runs" (each run's: two replicas' multi-turn is 1.00 or 1.40 by chance),
       "router_cpu_s" (CPU seconds the router processes used during the drive),
       "engine_ttft_ms_mean" (the engines' own TTFT: what the client saw less the router),
       "router_ejections" (kvroute: workers ejected on failed health checks, all runs)}
@@ -349,6 +350,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "runs": len(rows),
         "cached_fraction_runs": [round(r["cached_fraction"], 4) for r in rows],
         "ttft_p90_ms_runs": [round(r["ttft_ms"]["p90"], 1) for r in rows],
+        "max_min_load_runs": [round(r["max_min_load"], 2) for r in rows],
     }
 
 
@@ -378,6 +380,10 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"\nreplicas: {name}\n{head}")
         for label, row in pair.items():
             print(_line(f"kvroute x {label}", row))
+        for label, row in pair.items():
+            if "max_min_load_runs" in row:
+                runs = " ".join(f"{v:.2f}" for v in row["max_min_load_runs"])
+                print(f"  max/min per run, {label}: {runs}")
     if report["replicas"]:
         print("(two: the client alternates between two kvroute replicas, each on every event)")
     print(
