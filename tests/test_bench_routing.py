@@ -189,7 +189,7 @@ def test_per_worker_medians_rank_each_run_busiest_first() -> None:
 
 
 def test_replicas_print_each_runs_max_min(capsys: pytest.CaptureFixture[str]) -> None:
-    """A median of five reads 1.00 or 1.40 by chance where runs split; the runs show it."""
+    """A median hides whether every run was uneven or only some: each run's is printed."""
 
     def row(mm: list[float]) -> dict[str, object]:
         return {

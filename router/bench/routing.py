@@ -17,7 +17,7 @@ ROW: {"cached_fraction", "ttft_ms": {"p50", "p90", "p99", "mean"}, "itl_ms_p90",
       "max_min_prefill" (prompt tokens each engine computed: its prefix-cache queries less
       hits), "errors", "runs", "cached_fraction_runs",
       "ttft_p90_ms_runs" (each run's p90: a 192-request run's p90 spreads by tens of percent),
-      "max_min_load_runs" (each run's: two replicas' multi-turn is 1.00 or 1.40 by chance),
+      "max_min_load_runs" (each run's: whether an uneven median is every run or one),
       "router_cpu_s" (CPU seconds the router processes used during the drive),
       "engine_ttft_ms_mean" (the engines' own TTFT: what the client saw less the router),
       "router_ejections" (kvroute: workers ejected on failed health checks, all runs)}

@@ -65,7 +65,7 @@ class EnvoyProcess:
         try:
             self._wait_ready(ready_timeout)
         except BaseException:
-            self._end(timeout=10.0)  # its log stays: the error quotes it
+            stop_process(self.proc, timeout=10.0)  # its log stays: the error quotes it
             raise
 
     def _wait_ready(self, timeout: float) -> None:
@@ -97,10 +97,7 @@ class EnvoyProcess:
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM, SIGKILL after `timeout`; the folder (bootstrap, log) goes unless Envoy
         failed."""
-        drop_scratch(self.dir, self._end(timeout))
-
-    def _end(self, timeout: float) -> int:
-        return stop_process(self.proc, timeout)
+        drop_scratch(self.dir, stop_process(self.proc, timeout))
 
     def __enter__(self) -> Self:
         return self
