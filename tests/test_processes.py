@@ -24,7 +24,7 @@ import pytest
 
 from router.core.config import Config, from_env, from_mapping
 from router.core.errors import ConfigError
-from router.procs import FleetProcess, RouterProcess, free_port
+from router.procs import FleetProcess, RouterProcess, free_port, free_ports
 from router.tokenize import PACKAGED_TOKENIZER
 
 pytestmark = pytest.mark.timeout(180)
@@ -317,3 +317,12 @@ def test_a_router_child_leaves_no_folder_after_a_clean_stop(
     with RouterProcess(fleet.urls, tokenizer=PACKAGED_TOKENIZER, log_dir=kept) as r:
         assert r.log_path.parent == kept
     assert r.log_path.exists()
+
+
+def test_free_ports_are_distinct_and_bindable() -> None:
+    ports = free_ports(16)
+    assert len(set(ports)) == 16
+    with contextlib.ExitStack() as stack:  # each is free once handed out
+        for port in ports:
+            s = stack.enter_context(socket.socket())
+            s.bind(("127.0.0.1", port))

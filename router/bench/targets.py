@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from router.bench import peers
-from router.procs import RouterProcess, free_port
+from router.procs import RouterProcess, free_port, free_ports
 from router.tokenize import PACKAGED_TOKENIZER
 
 
@@ -67,7 +67,7 @@ def _kvroute(policy: str = "kv", replicas: int = 1, extra: Sequence[str] = ()) -
         with contextlib.ExitStack() as stack:
             urls = Urls()
             urls.logs = []
-            links = [f"tcp://127.0.0.1:{free_port()}" for _ in range(replicas)]
+            links = [f"tcp://127.0.0.1:{port}" for port in free_ports(replicas)]
             for i in range(replicas):
                 args = ["--seed", str(seed), *extra]
                 if replicas > 1:  # replicas share their placements (router/peers.py)
