@@ -29,16 +29,6 @@ def free_port() -> int:
         return port
 
 
-def free_ports(n: int) -> list[int]:
-    """`n` distinct free ports: each is held bound until all are chosen (free_port() twice
-    can return one port twice, which gave two bench replicas the same placement link)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-
-
 class _Stoppable:
     """Context-manager protocol for child processes: leaving the block stops the child."""
 

@@ -22,9 +22,10 @@ from typing import Any
 import httpx
 import pytest
 
+from conformance.procs import free_ports
 from router.core.config import Config, from_env, from_mapping
 from router.core.errors import ConfigError
-from router.procs import FleetProcess, RouterProcess, free_port, free_ports
+from router.procs import FleetProcess, RouterProcess, free_port
 from router.tokenize import PACKAGED_TOKENIZER
 
 pytestmark = pytest.mark.timeout(180)

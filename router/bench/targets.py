@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from conformance.procs import free_ports
 from router.bench import peers
-from router.procs import RouterProcess, free_port, free_ports
+from router.procs import RouterProcess, free_port
 from router.tokenize import PACKAGED_TOKENIZER
 
 
