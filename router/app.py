@@ -117,9 +117,13 @@ class RouterApp:
                 on_peers=self.metrics.peer_replicas.set,
                 relay_publish=relay_publish,
                 relay_from=relay_from,
+                # between replicas only: the processes of one replica alone stay as fast
+                # as one process
+                wait_s=config.peer_wait_ms / 1000 if config.has_replica_peers else 0.0,
             )
             self.routing.on_sent.append(self.peers.sent)
             self.routing.before_pick.append(self.peers.drain)
+            self.routing.placement_wait = self.peers.placement_wait
         # other doors served by this process (the Envoy picker): started after the fleet,
         # stopped before it
         self.doors: list[Any] = []

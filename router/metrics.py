@@ -132,6 +132,14 @@ class RouterMetrics:
             ["result"],
             registry=r,
         )
+        self.placement_waits = Counter(
+            "kvroute_placement_waits_total",
+            "New prefixes this replica placed after waiting --peer-wait-ms for the other "
+            "replicas' placements (it is not the first of them), by whether the second look "
+            "chose another worker (changed=true: the wait avoided a collision)",
+            ["changed"],
+            registry=r,
+        )
         self.peer_replicas = Gauge(
             "kvroute_peer_replicas",
             "Other router replicas whose in-flight load this one counts (heard from within "

@@ -50,12 +50,16 @@ import sys
 import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
+from typing import cast
 
 import zmq
 import zmq.asyncio
 
+from indexer.hashing import RouterBlockHash
+from indexer.ttl import TtlIndex
 from router.core.fleet import EVENTS, FleetState
 from router.core.load import PeerLoad
+from router.core.scoring import is_new_prefix
 
 log = logging.getLogger("kvroute.peers")
 
@@ -154,7 +158,9 @@ class PlacementLink:
         on_peers: Callable[[int], None] | None = None,
         relay_publish: str | None = None,
         relay_from: Sequence[str] = (),
+        wait_s: float = 0.0,
     ) -> None:
+        self.wait_s = wait_s  # see placement_wait
         self.fleet = fleet
         self.relay_publish = relay_publish  # also publish here, with what relay_from sends
         self.relay_from = list(relay_from)
@@ -289,6 +295,15 @@ class PlacementLink:
             asyncio.get_running_loop().call_soon(self.flush)
         self._outbox.append((worker, hashes))
 
+    def placement_wait(self) -> float:
+        """Seconds to wait before placing a new prefix: `wait_s` when a replica this one
+        hears from has a lower id (it places at once; this one then sees its placement),
+        else 0. Every follower waits the same, so a wait costs one `wait_s` at most."""
+        if self.wait_s <= 0:
+            return 0.0
+        me = self.replica.hex()
+        return self.wait_s if any(peer < me for peer in self.heard) else 0.0
+
     def flush(self) -> None:
         """Send the placements not yet sent, now."""
         outbox, self._outbox = self._outbox, []
@@ -396,8 +411,20 @@ class PlacementLink:
                 "to: give every replica the same workers",
             )
         ttl = self.fleet.predictions if state.mode == EVENTS else self.fleet.approx
+        if self._new_here(hashes, ttl):
+            self.fleet.note_new_prefix(worker, len(hashes))
         ttl.record(worker, hashes)  # type: ignore[arg-type]
         return self._count("applied", None)
+
+    def _new_here(self, hashes: array[int], ttl: TtlIndex) -> bool:
+        """The peer placed a prefix this replica knows on no endpoint: it counts as a new
+        prefix there, as the peer counted it (the placement scorer ranks by them). A
+        sibling this replica placed itself a moment earlier is not counted twice."""
+        chain = cast("Sequence[RouterBlockHash]", hashes)  # uint64 hashes, as the index takes
+        found = [*self.fleet.index.find_matches(chain).values()]
+        found += ttl.find_matches(chain).values()
+        # in blocks on both sides: a block size of 1
+        return is_new_prefix(len(hashes), ((o.blocks, 1) for o in found))
 
     def _apply_load(self, frames: Sequence[bytes], now: float) -> list[str]:
         try:

@@ -197,6 +197,14 @@ def _replica_args(p: argparse.ArgumentParser) -> None:
         "port), re-resolved every dns_interval_s (5 s); this pod's own address ($POD_IP) is "
         "skipped",
     )
+    g.add_argument(
+        "--peer-wait-ms",
+        type=float,
+        metavar="MS",
+        help="a replica other than the first (lowest id) waits this long before placing a "
+        "new prefix, then looks again, so two replicas placing new prefixes at one instant "
+        "see each other's choice (5; costs that much TTFT on such requests there; 0: off)",
+    )
 
 
 def _pd_args(p: argparse.ArgumentParser) -> None:
@@ -328,6 +336,7 @@ _PLAIN = [
     "peer_publish",
     "peers",
     "peers_dns",
+    "peer_wait_ms",
     "busy_max_requests",
     "busy_max_kv_usage",
     "shed",

@@ -227,6 +227,30 @@ def test_replicas_place_new_prefixes_by_demand_alone() -> None:
     assert _hot_and_cold(Core(config, 2, EVENTS)).route(prompt(99), NS).best.worker == "w1"
 
 
+def test_replicas_home_new_prefixes_by_their_first_prompts_before_demand() -> None:
+    """With peers, a new prefix goes to the worker sent the fewest new-prefix blocks lately
+    (each counted at its first prompt), before demand: w0 homes one conversation grown
+    long, w1 two just started (less demand between them), so demand alone sends the next
+    one to w1 and the first prompts send it to w0. A later turn does not count; one
+    replica ranks by demand."""
+    peers = Config(peers=("tcp://kvroute-1:5570",), scoring=ScoringConfig())
+    alone = Config(scoring=ScoringConfig(params=FULL))
+    for config, expect in ((peers, "w0"), (alone, "w1")):
+        c = Core(config, 2, EVENTS)
+        c.commit(c.route(prompt(1, blocks=8), NS), "w0")
+        grown = prompt(1, blocks=24)
+        store(c, "w0", grown)
+        c.commit(c.route(grown, NS), "w0")  # a later turn: not a new prefix
+        for s in (2, 3):
+            first = prompt(s)
+            c.commit(c.route(first, NS), "w1")
+            store(c, "w1", first)
+        homed = [c.workers[w].new_blocks for w in ("w0", "w1")]
+        assert [h.value() for h in homed if h is not None] == [8.0, 16.0]
+        d = c.route(prompt(99), NS)
+        assert d.best.worker == expect, (config.shares_placements, d.explain())
+
+
 def test_placement_can_be_turned_off() -> None:
     c = core(weights={"prefix": 1.0, "load": 0.5, "headroom": 0.1})
     for s in range(3):

@@ -6,7 +6,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from router.core.scoring import Candidate, NoParams, ScoreRequest
+from router.core.scoring import NEW_BELOW, Candidate, NoParams, ScoreRequest, is_new_prefix
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class LoadScorer:
 @dataclass(frozen=True)
 class PlacementParams:
     # a prompt whose best prefix credit on any worker is below this fraction is new
-    new_below: float = 0.1
+    new_below: float = NEW_BELOW
     # demands within this fraction of the most demanded worker's count as equal
     bucket: float = 0.03
     # the most any other worker scores for a new prompt (the winner scores 1)
@@ -68,6 +68,10 @@ class PlacementParams:
     # size has room: among such caches the new prefix goes where it waits least and
     # delays fewest requests (0 turns this off: always the least demanded cache)
     room: float = 0.5
+    # rank first by the blocks of the new prefixes each worker was given lately (each
+    # counted at its first prompt, decayed like demand), then by demand: on by default for
+    # router replicas (Config.profile)
+    homes: bool = False
 
 
 class PlacementScorer:
@@ -99,7 +103,15 @@ class PlacementScorer:
     upstream connections in both). Router replicas and processes get `room` 0 unless it is
     configured (`Config.profile`): load reaches the other replicas milliseconds late, and
     they must agree. For a prompt some worker already holds it is neutral (1 for all) and
-    the prefix credit decides."""
+    the prefix credit decides.
+
+    Replicas (`homes`, on with peers) rank first by the blocks of the new prefixes each
+    worker was sent lately, counted once at the first prompt, and only then by demand.
+    Demand grows with every turn a conversation adds, so a worker whose conversations
+    started a moment ago looks light and draws more new ones; one replica makes that up
+    within a wave by its own predictions, but two replicas deciding milliseconds apart do
+    not (multi-turn, two replicas: homes 7 / 5 in about half the runs). Every replica
+    counts its own new prefixes at the send and its peers' as their placements arrive."""
 
     name = "placement"
 
@@ -109,17 +121,21 @@ class PlacementScorer:
         self.others = params.others
         self.slack = params.slack
         self.room = params.room
+        self.homes = params.homes
 
     def score(self, request: ScoreRequest, cands: Sequence[Candidate]) -> dict[str, float]:
-        total = max(request.prompt_tokens, 1)
-        best = max((c.overlap_blocks * c.block_size / total for c in cands), default=0.0)
-        if best >= self.new_below or not cands:
+        overlaps = ((c.overlap_blocks, c.block_size) for c in cands)
+        if not cands or not is_new_prefix(request.prompt_tokens, overlaps, self.new_below):
             return {c.name: 1.0 for c in cands}
         most = max(c.recent_blocks for c in cands)
         step = self.bucket * most
+        homed = self.bucket * max(c.new_blocks for c in cands) if self.homes else 0.0
 
-        def level(c: Candidate) -> int:
-            return int(c.recent_blocks // step) if step > 0 else 0
+        def level(c: Candidate) -> tuple[int, int]:
+            return (
+                int(c.new_blocks // homed) if homed > 0 else 0,
+                int(c.recent_blocks // step) if step > 0 else 0,
+            )
 
         least = min(c.load.requests for c in cands)
         free = [c for c in cands if c.load.requests <= least + self.slack]
@@ -141,7 +157,9 @@ class PlacementScorer:
         return c.recent_blocks + need <= self.room * c.capacity_blocks
 
     @staticmethod
-    def _cost(request: ScoreRequest, c: Candidate, level: int) -> tuple[int, int, int]:
+    def _cost(
+        request: ScoreRequest, c: Candidate, level: tuple[int, int]
+    ) -> tuple[int, tuple[int, int], int]:
         """Where a new prompt costs least while caches have room, in prefill tokens: it
         waits for the worker's queued prefills, and its own prefill stalls every request
         running there and about as many arriving while it runs (engines batch every

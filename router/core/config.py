@@ -139,6 +139,11 @@ class Config:
     peer_publish: str | None = None  # e.g. tcp://0.0.0.0:5570
     peers: tuple[str, ...] = ()  # e.g. tcp://kvroute-1.kvroute:5570
     peers_dns: str | None = None  # HOST:PORT of a headless Service of the router pods
+    # a replica that is not the first (lowest id) of those it hears from waits this long
+    # before placing a new prefix, and looks again: two replicas placing new prefixes at
+    # the same instant otherwise both choose the worker that looks least demanded to each
+    # (router/peers.py); 0 turns it off
+    peer_wait_ms: float = 5.0
     # router processes behind the one port (router/processes.py): one event loop's Python
     # is one core's worth of requests
     processes: int = 1
@@ -201,6 +206,11 @@ class Config:
         ):
             _check(getattr(self, name) > 0, name, "must be a positive number of seconds")
         _check(self.drain_delay_s >= 0, "drain_delay_s", "must be >= 0 seconds")
+        _check(
+            0 <= self.peer_wait_ms <= 1000,
+            "peer_wait_ms",
+            "must be 0..1000 ms (0: a follower replica places new prefixes at once)",
+        )
         _check(self.max_body_bytes > 0, "max_body_bytes", "must be a positive number of bytes")
         _check(self.eject_after_timeouts >= 1, "eject_after_timeouts", "must be >= 1")
         _check(self.warm_connections >= 0, "warm_connections", "must be >= 0 (0: off)")
@@ -316,14 +326,20 @@ class Config:
         roles = PD_ROLES.get(name)
         if roles is not None:
             filter_params["role"] = {"roles": list(roles)}
-        scorer_params = s.params
-        placement = s.params.get("placement", {})
-        if self.shares_placements and "room" not in placement:
+        placement = dict(s.params.get("placement", {}))
+        if self.shares_placements:
             # replicas must agree where a new prefix goes, so only what they all see alike
-            # (the events) may decide it; their in-flight load differs by the requests of
-            # the last milliseconds (placing by load while caches had room split groups:
-            # vllm-prefix-repetition with two replicas 0.720 cached against 0.737)
-            scorer_params = {**s.params, "placement": {**placement, "room": 0.0}}
+            # may decide it; their in-flight load differs by the requests of the last
+            # milliseconds (placing by load while caches had room split groups:
+            # vllm-prefix-repetition with two replicas 0.720 cached against 0.737)...
+            placement.setdefault("room", 0.0)
+            # ...and first by the new prefixes each worker was given lately, which every
+            # replica counts alike from its own and its peers' placements: demand in blocks
+            # weighs a just-started conversation at its first prompt, so a worker whose
+            # conversations were young drew more (multi-turn, two replicas: max/min 1.40 in
+            # about half the runs; with this and peer_wait_ms, 1.00 in 11 of 12)
+            placement.setdefault("homes", True)
+        scorer_params = {**s.params, "placement": placement} if placement else s.params
         return build_profile(
             name,
             policy=self.policy,
@@ -336,9 +352,14 @@ class Config:
         )
 
     @property
+    def has_replica_peers(self) -> bool:
+        """Other router replicas (not only this replica's own processes)."""
+        return bool(self.peers or self.peer_publish or self.peers_dns)
+
+    @property
     def shares_placements(self) -> bool:
         """Other router replicas or processes place requests on the same workers."""
-        return bool(self.peers or self.peer_publish or self.peers_dns) or self.processes > 1
+        return self.has_replica_peers or self.processes > 1
 
     def worker_mode(self, w: WorkerConfig) -> str:
         return w.mode or self.mode

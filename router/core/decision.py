@@ -71,6 +71,10 @@ class Decision:
     def best(self) -> WorkerScore:
         return self.ranked[0]
 
+    def overlaps(self) -> list[tuple[int, int]]:
+        """(cached leading blocks, block size) on each eligible endpoint."""
+        return [(s.overlap_blocks, s.block_size) for s in self.ranked]
+
     def score_of(self, worker: str) -> WorkerScore:
         for scores in (self.ranked, self.excluded):
             for s in scores:

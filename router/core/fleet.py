@@ -42,6 +42,10 @@ class WorkerState:
     role: str = "both"  # prefill | decode | both
     max_model_len: int | None = None  # the base model's context length (its /v1/models card)
     demand: DecayingCount | None = None  # blocks stored lately, from its KV events
+    # blocks of the new prefixes routers sent it lately (decayed like demand), each counted
+    # once at its first prompt: this replica's own at the send, its peers' as their
+    # placements arrive (router/peers.py)
+    new_blocks: DecayingCount | None = None
 
     def __post_init__(self) -> None:
         self.worker = self.worker or self.name
@@ -71,6 +75,8 @@ class FleetState:
     def add(self, state: WorkerState, model: str = "") -> None:
         if state.demand is None:
             state.demand = DecayingCount(self.clock)
+        if state.new_blocks is None:
+            state.new_blocks = DecayingCount(self.clock)
         self.workers[state.name] = state
         self.index.add_worker(state.name, model=model)
 
@@ -95,6 +101,15 @@ class FleetState:
         w = self.workers.get(name)
         if w is not None and w.demand is not None:
             w.demand.clear()
+        if w is not None and w.new_blocks is not None:
+            w.new_blocks.clear()
+
+    def note_new_prefix(self, name: str, blocks: int) -> None:
+        """A router sent `name` a prompt of `blocks` blocks that no endpoint held any of
+        (the placement scorer's new prefix)."""
+        w = self.workers.get(name)
+        if w is not None and w.new_blocks is not None:
+            w.new_blocks.add(blocks)
 
     def served_models(self) -> list[str]:
         """Every model and adapter name some endpoint serves, sorted."""

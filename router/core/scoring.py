@@ -11,7 +11,7 @@ in the config (`scoring.weights.<name>`).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,10 +31,23 @@ class Candidate:
     caching: bool = True  # false when the engine runs with prefix caching off
     mode: str = "events"  # where the overlap came from: events (exact) or approx
     recent_blocks: float = 0.0  # demand on its cache lately: blocks stored (events), decayed
+    new_blocks: float = 0.0  # blocks of the new prefixes sent to it lately, decayed (fleet)
 
     @property
     def overlap_blocks(self) -> int:
         return sum(self.overlap_by_tier.values())
+
+
+NEW_BELOW = 0.1  # a prompt of which no endpoint holds this fraction is a new prefix
+
+
+def is_new_prefix(
+    prompt_tokens: int, overlaps: Iterable[tuple[int, int]], below: float = NEW_BELOW
+) -> bool:
+    """No endpoint holds `below` of the prompt: `overlaps` are (cached leading blocks,
+    block size) per endpoint."""
+    total = max(prompt_tokens, 1)
+    return all(blocks * size < below * total for blocks, size in overlaps)
 
 
 def uncached_tokens(prompt_tokens: int, overlap_blocks: int, block_size: int) -> int:
