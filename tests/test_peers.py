@@ -343,8 +343,8 @@ async def test_two_replicas_placing_new_prompts_at_once_spread_them() -> None:
             assert len(served) == 2, f"pair {k} landed together on {served}"
             await asyncio.sleep(0.05)  # both have heard the other's placement
         scrapes = [(await client.get("/metrics")).text for client in clients]
-        waited = [t for t in scrapes if 'kvroute_placement_waits_total{changed="true"}' in t]
-        assert len(waited) == 1, "one replica, the follower, waited and changed its pick"
+        waited = [t for t in scrapes if "kvroute_placement_waits_total{" in t]
+        assert len(waited) == 1, "one replica, the follower, waited before new prefixes"
 
 
 @pytest.mark.parametrize(
