@@ -38,7 +38,6 @@ from router.core.fleet import FleetState
 from router.core.load import Ticket as LoadTicket
 from router.core.picker import Picker
 from router.core.profiles import Profile
-from router.core.scoring import is_new_prefix
 from router.metrics import RouterMetrics
 from router.openai_req import PROMPT_PATHS, RoutingInput
 from router.tokenize import TokenCache
@@ -138,7 +137,7 @@ class DecisionService:
         chosen = self.profiles[profile or self.door_profile]
         decision = self._pick(chosen, req, tokens)
         wait = 0.0 if dry_run else self.placement_wait()
-        if wait > 0 and is_new_prefix(decision.prompt_tokens, decision.overlaps()):
+        if wait > 0 and decision.new_prefix:
             # Two replicas placing new prefixes at one instant both see the same least
             # demanded worker and both send there; the one that waits sees the other's
             # placement (multi-turn, two replicas: 27 of 51 uneven homes came within 2 ms
@@ -149,7 +148,7 @@ class DecisionService:
             t0 += time.perf_counter() - t_wait
             decision = self._pick(chosen, req, tokens)
             changed = "true" if decision.best.worker != first else "false"
-            self.metrics.placement_waits.labels(changed=changed).inc()
+            self.metrics.child(self.metrics.placement_waits, changed).inc()
         self.metrics.decision_seconds.observe(time.perf_counter() - t0)
         return decision
 

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from indexer.hashing import Namespace, RouterBlockHash
+from router.core.scoring import is_new_prefix
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,12 @@ class Decision:
     def best(self) -> WorkerScore:
         return self.ranked[0]
 
-    def overlaps(self) -> list[tuple[int, int]]:
-        """(cached leading blocks, block size) on each eligible endpoint."""
-        return [(s.overlap_blocks, s.block_size) for s in self.ranked]
+    @property
+    def new_prefix(self) -> bool:
+        """No eligible endpoint holds NEW_BELOW of the prompt (the placement scorer's new
+        prefix at its default): the picker counts it as one, a follower replica waits."""
+        overlaps = ((s.overlap_blocks, s.block_size) for s in self.ranked)
+        return is_new_prefix(self.prompt_tokens, overlaps)
 
     def score_of(self, worker: str) -> WorkerScore:
         for scores in (self.ranked, self.excluded):

@@ -20,13 +20,7 @@ from router.core.filters import apply_filters
 from router.core.fleet import APPROX, EVENTS, FleetState, WorkerState
 from router.core.load import Ticket
 from router.core.profiles import Profile
-from router.core.scoring import (
-    Candidate,
-    ScoreRequest,
-    clamp,
-    is_new_prefix,
-    uncached_tokens,
-)
+from router.core.scoring import Candidate, ScoreRequest, clamp, uncached_tokens
 
 KEY_BLOCKS = 8  # the blocks of a prompt that name its placement key (siblings share them)
 
@@ -79,7 +73,7 @@ class Picker:
         else:
             self.fleet.approx.record(worker, hashes)
         profile.state.turns += 1
-        if is_new_prefix(decision.prompt_tokens, decision.overlaps()):
+        if decision.new_prefix:
             self.fleet.note_new_prefix(worker, len(hashes))
         uncached = uncached_tokens(decision.prompt_tokens, s.overlap_blocks, state.block_size)
         blocks = math.ceil(decision.prompt_tokens / state.block_size) + extra_blocks
