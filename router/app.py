@@ -124,6 +124,7 @@ class RouterApp:
             self.routing.on_sent.append(self.peers.sent)
             self.routing.before_pick.append(self.peers.drain)
             self.routing.placement_wait = self.peers.placement_wait
+            self.routing.peers_linked = self.peers.linked
         # other doors served by this process (the Envoy picker): started after the fleet,
         # stopped before it
         self.doors: list[Any] = []

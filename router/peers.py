@@ -70,6 +70,7 @@ LOAD = b"load"
 PLACEMENTS = b"placements"
 _LOAD = struct.Struct("<qqq")
 HEARTBEAT_S = 1.0  # every worker's load republished this often (also: "this replica is alive")
+LINK_WAIT_S = 2.0  # /ready waits at most this long after the start to hear every peer
 SILENT_S = 3.5  # a replica not heard from this long: its load no longer counts
 LOAD_FLUSH_S = 0.002  # load changes of this long are published as one report per endpoint
 DRAIN_MAX = 10_000  # messages one drain applies at most (a pick must not wait on a flood)
@@ -191,8 +192,10 @@ class PlacementLink:
         self._pub_now: zmq.Socket[bytes] | None = None
         self._flush_timer: asyncio.TimerHandle | None = None
         self._outbox: list[tuple[str, Sequence[int]]] = []  # placements not yet sent
+        self._started = time.monotonic()
 
     async def start(self) -> None:
+        self._started = time.monotonic()
         if self.publish_endpoint:
             self._pub = self._pub_socket(self.publish_endpoint)
             # sends never wait (NOBLOCK): the plain socket skips asyncio's future per send
@@ -217,11 +220,18 @@ class PlacementLink:
                 self._dns_task = asyncio.create_task(self._watch_dns())
             # read synchronously (drain): before each pick, and on a timer between them
             self._sub_now = zmq.Socket.shadow(self._sub.underlying)
+        if self._sub_now is not None or self._pub_now is not None or self._relay_now is not None:
             self._task = asyncio.create_task(self._catch_up())
         self._tick_task = asyncio.create_task(self._tick())
 
     def _pub_socket(self, endpoint: str) -> zmq.asyncio.Socket:
-        pub = self._ctx.socket(zmq.PUB)
+        # XPUB: a PUB drops what it sends before a subscriber's connection is up, so a
+        # replica's first heartbeat was lost and two fresh replicas first heard each other
+        # when requests moved their load, a second later, after each had placed the first
+        # burst's new prefixes on its own. An XPUB reads each subscription as it arrives
+        # and greets the subscriber with this replica's load (drain)
+        pub = self._ctx.socket(zmq.XPUB)
+        pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's subscription, not the first
         pub.setsockopt(zmq.SNDHWM, HWM)
         pub.setsockopt(zmq.LINGER, 0)
         pub.bind(endpoint)
@@ -340,6 +350,17 @@ class PlacementLink:
         if reports:
             self._send(encode_load(self.replica, reports))
 
+    def expected(self) -> int:
+        """Peers this replica subscribes to (a peer replica of several processes is heard
+        as several)."""
+        return len(self._connected) + len(self.relay_from)
+
+    def linked(self, now: float | None = None) -> bool:
+        """Heard every peer it subscribes to, or gave up waiting (LINK_WAIT_S after the
+        start: a peer that is down must not keep this replica from serving)."""
+        now = time.monotonic() if now is None else now
+        return len(self.heard) >= self.expected() or now - self._started >= LINK_WAIT_S
+
     async def _tick(self) -> None:
         while True:
             self._publish_load(list(self.fleet.workers))
@@ -366,9 +387,11 @@ class PlacementLink:
     async def _catch_up(self) -> None:
         """Every pick drains first (`drain`), so between picks the peers' messages are read
         on a timer, not woken for one by one: measured at concurrency 1 between two
-        processes, waking per message cost the idle one ~0.3 ms of CPU per request."""
+        processes, waking per message cost the idle one ~0.3 ms of CPU per request. New
+        subscribers are greeted on the same timer (`_greet`)."""
         while True:
             await asyncio.sleep(CATCH_UP_S)
+            self._greet()
             self.drain()
 
     def drain(self) -> int:
@@ -389,6 +412,20 @@ class PlacementLink:
                     self._send(frames, relayed=True)
                 n += 1
         return n
+
+    def _greet(self) -> None:
+        """A peer subscribed to this replica: publish this replica's load now, so the peer
+        hears it at once instead of at the next heartbeat."""
+        joined = False
+        for sock in (self._pub_now, self._relay_now):
+            while sock is not None and _readable(sock):
+                try:
+                    frame = sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                joined = joined or frame[:1] == b"\x01"  # 0x01: subscribe, 0x00: unsubscribe
+        if joined:
+            self._publish_load(list(self.fleet.workers))
 
     def apply(self, frames: Sequence[bytes], now: float | None = None) -> list[str]:
         """Record one message from a peer: each placement becomes a prediction here, each

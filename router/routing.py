@@ -100,6 +100,8 @@ class DecisionService:
         # seconds to wait before placing a new prefix (the placement link: a replica that
         # is not the first of its peers waits to see what they placed meanwhile)
         self.placement_wait: Callable[[], float] = lambda: 0.0
+        # router replicas: linked to the peers (router/peers.py PlacementLink.linked)
+        self.peers_linked: Callable[[], bool] = lambda: True
 
     # ---- the decision ----------------------------------------------------------------
 
@@ -357,11 +359,13 @@ class DecisionService:
 
     @property
     def ready(self) -> bool:
-        """Can route: started, not draining, and some endpoint passes health checks."""
+        """Can route: started, not draining, some endpoint passes health checks, and a
+        replica has heard its peers (or waited LINK_WAIT_S for them)."""
         return (
             self.started
             and not self.draining
             and any(w.available for w in self.fleet.workers.values())
+            and self.peers_linked()
         )
 
     @property

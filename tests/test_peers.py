@@ -24,7 +24,16 @@ from router.core.config import Config, WorkerConfig, from_env, from_mapping
 from router.core.errors import ConfigError
 from router.core.fleet import APPROX, EVENTS, FleetState, WorkerState
 from router.core.load import LoadTracker, PeerLoad
-from router.peers import SILENT_S, PlacementLink, decode, decode_load, encode, encode_load
+from router.peers import (
+    HEARTBEAT_S,
+    LINK_WAIT_S,
+    SILENT_S,
+    PlacementLink,
+    decode,
+    decode_load,
+    encode,
+    encode_load,
+)
 from router.procs import free_port, serve_in_process
 from router.tokenize import PACKAGED_TOKENIZER
 
@@ -219,6 +228,40 @@ async def test_two_links_over_zmq() -> None:
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_fresh_replicas_hear_each_other_before_any_request() -> None:
+    """Two replicas started 0.2 s apart, no traffic: each hears the other well before the
+    next heartbeat (a PUB drops what it sends before a subscriber's connection is up, so
+    with heartbeats alone they first met when the first requests moved their load), and
+    each is linked; until then the later one is not."""
+    a_fleet, b_fleet = fleet_of(w=EVENTS), fleet_of(w=EVENTS)
+    a_pub, b_pub = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    a = PlacementLink(a_fleet, a_pub, [b_pub])
+    b = PlacementLink(b_fleet, b_pub, [a_pub])
+    await a.start()
+    try:
+        await asyncio.sleep(0.2)
+        assert not a.heard and not a.linked() and a.expected() == 1
+        await b.start()
+        assert not b.linked()
+        await until(lambda: bool(a.heard and b.heard), within_s=HEARTBEAT_S / 2)
+        assert a.linked() and b.linked()
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+def test_a_replica_whose_peer_is_down_is_linked_after_the_wait() -> None:
+    """/ready waits for the peers at most LINK_WAIT_S: a peer that is down must not keep a
+    replica from serving."""
+    link = PlacementLink(fleet_of(w=EVENTS), None, [], peers_dns=None)
+    link._connected = {"tcp://10.0.0.9:5570"}  # subscribed, never heard
+    t0 = link._started
+    assert not link.linked(now=t0 + LINK_WAIT_S - 0.01)
+    assert link.linked(now=t0 + LINK_WAIT_S)
+    link.apply(encode_load(b"\x01" * 8, [("w", PeerLoad(0, 0, 0))]))
+    assert link.linked(now=t0)
 
 
 async def test_drain_applies_what_arrived_before_the_receive_task_runs() -> None:
