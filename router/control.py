@@ -2,7 +2,7 @@
 
 GET  /health          the detailed report: 503 only when routing is broken or silent, naming
                       each broken worker, the reason and the fix (a client's 4xx never counts)
-GET  /ready           200 once an endpoint can take traffic
+GET  /ready           200 once an endpoint can take traffic (a replica: and its peers heard)
 GET  /live            200 while the process runs (never depends on the workers)
 GET  /metrics         Prometheus
 GET  /v1/models       the union of the workers' models

@@ -15,7 +15,9 @@ tokens before the first token, decode blocks) whenever it changes, coalesced ove
 if they were its own, so two replicas do not both send a burst to the worker that looks
 idle to each (a worker's scraped /metrics are up to a second old). The latest word of a
 replica replaces its last one, so a lost message heals at the next; a replica silent for
-`SILENT_S` no longer counts.
+`SILENT_S` no longer counts. The publishing socket is an XPUB: it sees each peer subscribe
+and greets it with this replica's load, so a starting replica hears its peers within a
+connection's time, and answers /ready once it has (`linked`, at most `LINK_WAIT_S`).
 
 A replica of several processes (`kvroute serve --processes N`) links its processes the same
 way over unix sockets; its first process also binds the replica's `peer_publish` and relays
