@@ -119,7 +119,7 @@ class RouterApp:
                 relay_from=relay_from,
                 # between replicas only: the processes of one replica alone stay as fast
                 # as one process
-                wait_s=config.peer_wait_ms / 1000 if config.waits_for_peers else 0.0,
+                wait_s=config.peer_wait_ms / 1000 if config.has_replica_peers else 0.0,
             )
             self.routing.on_sent.append(self.peers.sent)
             self.routing.before_pick.append(self.peers.drain)

@@ -216,23 +216,14 @@ def test_siblings_of_a_prefix_still_prefilling_stay_with_it() -> None:
     assert d.best.worker == "w0" and not d.excluded, d
 
 
-def test_replicas_that_do_not_wait_place_new_prefixes_by_demand_alone() -> None:
-    """Replicas see each other's in-flight load only milliseconds late, so where a follower
-    does not wait for the leader's placement (peer_wait_ms 0, or router processes) the
-    cost-while-roomy choice is off unless configured: the hot worker takes the prefix. A
-    follower that waits keeps it, as one replica does: the cold worker takes it."""
-    peer = ("tcp://kvroute-1:5570",)
-    cases = (
-        (Config(peers=peer, peer_wait_ms=0, scoring=ScoringConfig()), "w0"),
-        (Config(processes=2, scoring=ScoringConfig()), "w0"),
-        (Config(peers=peer, scoring=ScoringConfig()), "w1"),
-        (Config(scoring=ScoringConfig()), "w1"),
-    )
-    for config, expected in cases:
-        d = _hot_and_cold(Core(config, 2, EVENTS)).route(prompt(99), NS)
-        assert d.best.worker == expected, (config.peer_wait_ms, config.processes, d.explain())
+def test_replicas_place_new_prefixes_by_demand_alone() -> None:
+    """Replicas see each other's in-flight load only milliseconds late, so with peers the
+    cost-while-roomy choice is off unless configured: the hot worker takes the prefix."""
+    config = Config(peers=("tcp://kvroute-1:5570",), scoring=ScoringConfig())
+    replica = _hot_and_cold(Core(config, 2, EVENTS))
+    assert replica.route(prompt(99), NS).best.worker == "w0"
     roomy = {"placement": {"room": 0.5}}
-    config = Config(peers=peer, peer_wait_ms=0, scoring=ScoringConfig(params=roomy))
+    config = Config(peers=("tcp://kvroute-1:5570",), scoring=ScoringConfig(params=roomy))
     assert _hot_and_cold(Core(config, 2, EVENTS)).route(prompt(99), NS).best.worker == "w1"
 
 
@@ -241,9 +232,8 @@ def test_replicas_home_new_prefixes_by_their_first_prompts_before_demand() -> No
     (each counted at its first prompt), before demand: w0 homes one conversation grown
     long, w1 two just started (less demand between them), so demand alone sends the next
     one to w1 and the first prompts send it to w0. A later turn does not count; one
-    replica ranks by demand. Both as if the caches were short of room (FULL): while they
-    have room, the cost of the prefill places it."""
-    peers = Config(peers=("tcp://kvroute-1:5570",), scoring=ScoringConfig(params=FULL))
+    replica ranks by demand."""
+    peers = Config(peers=("tcp://kvroute-1:5570",), scoring=ScoringConfig())
     alone = Config(scoring=ScoringConfig(params=FULL))
     for config, expect in ((peers, "w0"), (alone, "w1")):
         c = Core(config, 2, EVENTS)

@@ -100,12 +100,10 @@ class PlacementScorer:
     the least demanded cache was the hot prefix's worker (its repeats store few blocks), so
     new prefixes landed there and their cold prefills delayed the hot stream (TTFT p90
     285 -> 262 ms, p99 360 -> 388, mean 96 -> 93, medians of 5 runs, with the warm
-    upstream connections in both). Router processes, and replicas whose followers do not
-    wait for the leader (`peer_wait_ms` 0), get `room` 0 unless it is configured
-    (`Config.profile`): load reaches the others milliseconds late, and they must agree. A
-    follower that waits sees the leader's placement first, so waiting replicas keep `room`.
-    For a prompt some worker already holds it is neutral (1 for all) and the prefix credit
-    decides.
+    upstream connections in both). Router replicas and processes get `room` 0 unless it is
+    configured (`Config.profile`): load reaches the other replicas milliseconds late, and
+    they must agree. For a prompt some worker already holds it is neutral (1 for all) and
+    the prefix credit decides.
 
     Replicas (`homes`, on with peers) rank first by the blocks of the new prefixes each
     worker was sent lately, counted once at the first prompt, and only then by demand.

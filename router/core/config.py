@@ -328,17 +328,11 @@ class Config:
             filter_params["role"] = {"roles": list(roles)}
         placement = dict(s.params.get("placement", {}))
         if self.shares_placements:
-            if not self.waits_for_peers:
-                # replicas must agree where a new prefix goes, so without the follower's
-                # wait only what they all see alike may decide it; their in-flight load
-                # differs by the requests of the last milliseconds (placing by load while
-                # caches had room split groups: vllm-prefix-repetition with two replicas
-                # 0.720 cached against 0.737). A follower that waits sees the leader's
-                # placement first, so replicas with peer_wait_ms keep `room`: without it,
-                # hot-prefix with two replicas put new prefixes on the hot worker (TTFT
-                # p90 297 ms against one replica's 234, prefill max/min 2.06 against 1.28;
-                # with room 247 against 246 and 1.28 against 1.29, medians of 5 runs)
-                placement.setdefault("room", 0.0)
+            # replicas must agree where a new prefix goes, so only what they all see alike
+            # may decide it; their in-flight load differs by the requests of the last
+            # milliseconds (placing by load while caches had room split groups:
+            # vllm-prefix-repetition with two replicas 0.720 cached against 0.737)...
+            placement.setdefault("room", 0.0)
             # ...and first by the new prefixes each worker was given lately, which every
             # replica counts alike from its own and its peers' placements: demand in blocks
             # weighs a just-started conversation at its first prompt, so a worker whose
@@ -361,11 +355,6 @@ class Config:
     def has_replica_peers(self) -> bool:
         """Other router replicas (not only this replica's own processes)."""
         return bool(self.peers or self.peer_publish or self.peers_dns)
-
-    @property
-    def waits_for_peers(self) -> bool:
-        """A follower replica waits peer_wait_ms for the leader's placement of a new prefix."""
-        return self.has_replica_peers and self.peer_wait_ms > 0
 
     @property
     def shares_placements(self) -> bool:
