@@ -195,6 +195,7 @@ class PlacementLink:
         self._flush_timer: asyncio.TimerHandle | None = None
         self._outbox: list[tuple[str, Sequence[int]]] = []  # placements not yet sent
         self._started = time.monotonic()
+        self._link_checked = False
 
     async def start(self) -> None:
         self._started = time.monotonic()
@@ -366,8 +367,28 @@ class PlacementLink:
     async def _tick(self) -> None:
         while True:
             self._publish_load(list(self.fleet.workers))
-            self.expire(time.monotonic())
+            now = time.monotonic()
+            self.expire(now)
+            self.check_linked(now)
             await asyncio.sleep(HEARTBEAT_S)
+
+    def check_linked(self, now: float) -> None:
+        """Once LINK_WAIT_S after the start: say so when some peer was not heard (this
+        replica answers /ready anyway, and places new prefixes without that peer)."""
+        if self._link_checked or now - self._started < LINK_WAIT_S:
+            return
+        self._link_checked = True
+        if len(self.heard) < self.expected():
+            log.warning(
+                "heard %d of the %d peers this replica subscribes to (%s) within %.0f s; "
+                "serving anyway. A replica that is down, or a --peer address that does not "
+                "reach another replica's --peer-publish, leaves new prefixes placed without "
+                "it (kvroute_peer_replicas counts the peers heard)",
+                len(self.heard),
+                self.expected(),
+                ", ".join(sorted(self._connected) + self.relay_from),
+                LINK_WAIT_S,
+            )
 
     def expire(self, now: float) -> None:
         """Stop counting the load of replicas silent for SILENT_S."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -262,6 +263,26 @@ def test_a_replica_whose_peer_is_down_is_linked_after_the_wait() -> None:
     assert link.linked(now=t0 + LINK_WAIT_S)
     link.apply(encode_load(b"\x01" * 8, [("w", PeerLoad(0, 0, 0))]))
     assert link.linked(now=t0)
+
+
+def test_a_peer_not_heard_after_the_wait_is_named_once(caplog: pytest.LogCaptureFixture) -> None:
+    link = PlacementLink(fleet_of(w=EVENTS), None, [])
+    link._connected = {"tcp://10.0.0.9:5570"}
+    t0 = link._started
+    with caplog.at_level(logging.WARNING, logger="kvroute.peers"):
+        link.check_linked(t0 + LINK_WAIT_S - 0.01)
+        assert not caplog.records
+        link.check_linked(t0 + LINK_WAIT_S)
+        link.check_linked(t0 + LINK_WAIT_S + 1)
+    assert len(caplog.records) == 1
+    assert "heard 0 of the 1 peers" in caplog.text and "tcp://10.0.0.9:5570" in caplog.text
+    heard = PlacementLink(fleet_of(w=EVENTS), None, [])
+    heard._connected = {"tcp://10.0.0.9:5570"}
+    heard.apply(encode_load(b"\x01" * 8, [("w", PeerLoad(0, 0, 0))]))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvroute.peers"):
+        heard.check_linked(heard._started + LINK_WAIT_S)
+    assert not caplog.records
 
 
 async def test_drain_applies_what_arrived_before_the_receive_task_runs() -> None:
