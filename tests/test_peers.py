@@ -26,6 +26,7 @@ from router.core.errors import ConfigError
 from router.core.fleet import APPROX, EVENTS, FleetState, WorkerState
 from router.core.load import LoadTracker, PeerLoad
 from router.peers import (
+    CATCH_UP_S,
     HEARTBEAT_S,
     LINK_WAIT_S,
     SILENT_S,
@@ -295,6 +296,10 @@ async def test_drain_applies_what_arrived_before_the_receive_task_runs() -> None
     await b.start()
     try:
         await until(lambda: b.counts["load"] > 0, within_s=5)  # a's heartbeat: joined
+        # a greets b's subscription on its catch-up timer, and its first heartbeat may reach
+        # b too: whichever comes second must be read before the placements are counted
+        await asyncio.sleep(5 * CATCH_UP_S)
+        b.drain()
         assert b._sub_now is not None
         a.sent("w", H)
         a.sent("w", H[:1])  # placed in the same turn: one message
