@@ -93,7 +93,8 @@ class Control:
             status, doc = self.health()
             await send_json(send, status, doc)
         elif path == "/ready":
-            await send_json(send, 200 if self.svc.ready else 503, {"ready": self.svc.ready})
+            ready = self.svc.ready  # once: it turns with the clock (a replica's peer wait)
+            await send_json(send, 200 if ready else 503, {"ready": ready})
         elif path == "/live":
             await send_json(send, 200, {"live": True})
         elif path == "/metrics":

@@ -232,7 +232,7 @@ class PlacementLink:
         # replica's first heartbeat was lost and two fresh replicas first heard each other
         # when requests moved their load, a second later, after each had placed the first
         # burst's new prefixes on its own. An XPUB reads each subscription as it arrives
-        # and greets the subscriber with this replica's load (drain)
+        # and greets the subscriber with this replica's load (`_greet`)
         pub = self._ctx.socket(zmq.XPUB)
         pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's subscription, not the first
         pub.setsockopt(zmq.SNDHWM, HWM)
@@ -358,11 +358,14 @@ class PlacementLink:
         as several)."""
         return len(self._connected) + len(self.relay_from)
 
+    def heard_all(self) -> bool:
+        return len(self.heard) >= self.expected()
+
     def linked(self, now: float | None = None) -> bool:
         """Heard every peer it subscribes to, or gave up waiting (LINK_WAIT_S after the
         start: a peer that is down must not keep this replica from serving)."""
         now = time.monotonic() if now is None else now
-        return len(self.heard) >= self.expected() or now - self._started >= LINK_WAIT_S
+        return self.heard_all() or now - self._started >= LINK_WAIT_S
 
     async def _tick(self) -> None:
         while True:
@@ -378,7 +381,7 @@ class PlacementLink:
         if self._link_checked or now - self._started < LINK_WAIT_S:
             return
         self._link_checked = True
-        if len(self.heard) < self.expected():
+        if not self.heard_all():
             log.warning(
                 "heard %d of the %d peers this replica subscribes to (%s) within %.0f s; "
                 "serving anyway. A replica that is down, or a --peer address that does not "

@@ -257,7 +257,7 @@ async def test_fresh_replicas_hear_each_other_before_any_request() -> None:
 def test_a_replica_whose_peer_is_down_is_linked_after_the_wait() -> None:
     """/ready waits for the peers at most LINK_WAIT_S: a peer that is down must not keep a
     replica from serving."""
-    link = PlacementLink(fleet_of(w=EVENTS), None, [], peers_dns=None)
+    link = PlacementLink(fleet_of(w=EVENTS), None, [])
     link._connected = {"tcp://10.0.0.9:5570"}  # subscribed, never heard
     t0 = link._started
     assert not link.linked(now=t0 + LINK_WAIT_S - 0.01)
