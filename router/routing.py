@@ -94,7 +94,8 @@ class DecisionService:
         self.draining = False  # SIGTERM: stop taking new traffic
         self._remote_cache = TokenCache()
         # told (endpoint, block hashes) of every request sent: the replicas' placement link
-        self.on_sent: list[Callable[[str, Sequence[int]], None]] = []
+        # (and whether its prefix was new: the link sends those at once)
+        self.on_sent: list[Callable[[str, Sequence[int], bool], None]] = []
         # called just before each pick: the placement link applies what the peers sent
         self.before_pick: list[Callable[[], object]] = []
         # seconds to wait before placing a new prefix (the placement link: a replica that
@@ -265,7 +266,7 @@ class DecisionService:
         if self.on_sent:
             hashes = decision.hashes.get(state.block_size, ())
             for tell in self.on_sent:
-                tell(worker, hashes)
+                tell(worker, hashes, decision.new_prefix)
         return Ticket(decision, worker, load)
 
     def reassign(self, ticket: Ticket, worker: str) -> Ticket:

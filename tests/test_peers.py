@@ -314,6 +314,41 @@ async def test_drain_applies_what_arrived_before_the_receive_task_runs() -> None
         await b.stop()
 
 
+async def test_a_new_prefix_leaves_at_once_with_the_load_behind_it() -> None:
+    """A repeat's placement waits for the end of the loop's turn (one message per turn); a
+    new prefix's goes at the send, with this replica's load on the worker: in a burst the
+    turn runs every request that arrived with it, and a peer placing meanwhile would place
+    blind. The loop never turns here, so only what was sent at once can arrive."""
+    a_fleet, b_fleet = fleet_of(w=EVENTS), fleet_of(w=EVENTS)
+    a_pub = f"tcp://127.0.0.1:{free_port()}"
+    a, b = PlacementLink(a_fleet, a_pub, []), PlacementLink(b_fleet, None, [a_pub])
+    await a.start()
+    await b.start()
+    try:
+        await until(lambda: b.counts["load"] > 0, within_s=5)  # joined
+        await asyncio.sleep(5 * CATCH_UP_S)
+        b.drain()
+        assert b._sub_now is not None
+        other = hash_request(list(range(100, 164)), 16, Namespace())
+        a_fleet.load.start("w", 64, 4)  # the request's load, counted at the pick
+        a.sent("w", other)  # a repeat: waits for the turn
+        assert not b._sub_now.poll(200)
+        a_fleet.load.start("w", 64, 4)
+        a.sent("w", H, new=True)  # the loop still has not turned
+        assert b._sub_now.poll(2000)
+        for _ in range(20):  # the placements, then the load report (blocking: no turn)
+            b.drain()
+            if b_fleet.load.view("w").requests == 2:
+                break
+            b._sub_now.poll(100)
+        assert b_fleet.predictions.find_matches(H)["w"].blocks == len(H)
+        assert b_fleet.predictions.find_matches(other)["w"].blocks == len(other)
+        assert b_fleet.load.view("w").requests == 2
+    finally:
+        await a.stop()
+        await b.stop()
+
+
 async def prime(a: PlacementLink, b: PlacementLink) -> None:
     """ZMQ's slow joiner: a SUB sees nothing sent before its subscription propagated, so `a`
     sends H until `b` has applied it."""

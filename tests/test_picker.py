@@ -16,7 +16,7 @@ from router.core.config import Config, ScoringConfig
 from router.core.decision import Decision, RouteRequest
 from router.core.errors import NoWorkerAvailable
 from router.core.fleet import APPROX, EVENTS, FleetState, WorkerState
-from router.core.load import Ticket
+from router.core.load import PeerLoad, Ticket
 from router.core.picker import Picker
 
 BS = 4
@@ -249,6 +249,41 @@ def test_replicas_home_new_prefixes_by_their_first_prompts_before_demand() -> No
         assert [h.value() for h in homed if h is not None] == [8.0, 16.0]
         d = c.route(prompt(99), NS)
         assert d.best.worker == expect, (config.shares_placements, d.explain())
+
+
+def test_the_average_load_counts_the_peers_requests() -> None:
+    """A worker's last-second average counts what the peer replicas run there, not only
+    this replica's requests: replicas weigh a worker alike by it."""
+    c = core()
+    c.load.peer("r1", "w0", PeerLoad(6, 0, 0))
+    c.clock.advance(2.0)
+    c.load.peer("r1", "w0", PeerLoad(0, 0, 0))  # the peer's wave on w0 ended
+    view = c.load.view("w0")
+    assert view.requests == 0 and view.busy > 5.0
+    c.clock.advance(10)
+    assert c.load.view("w0").busy < 0.01
+
+
+def test_a_replica_does_not_home_a_new_prefix_where_a_wave_just_ended() -> None:
+    """Replicas home new prefixes by the first prompts each worker was sent. w0 homes one
+    hot prefix and ran 16 of its repeats until a moment ago (half of them a peer's), 3
+    still running; w1 homes three prefixes and runs 3 requests. By the moment's count w0 is
+    within `slack` of the least loaded and, homing the fewest prefixes, would take the new
+    one; over the last second it ran ~14, so w1 does."""
+    config = Config(peers=("tcp://kvroute-1:5570",), scoring=ScoringConfig())
+    c = Core(config, 2, EVENTS)
+    hot = [c.commit(c.route([*prompt(1), i], NS), "w0") for i in range(8)]
+    c.load.peer("r1", "w0", PeerLoad(8, 0, 0))
+    for s in (2, 3, 4):
+        c.commit(c.route(prompt(s), NS), "w1")  # three new prefixes, running
+    c.clock.advance(1.0)
+    for t in hot[3:]:
+        c.load.finish(t)
+    c.load.peer("r1", "w0", PeerLoad(0, 0, 0))
+    view = c.load.view("w0")
+    assert view.requests == 3 and view.busy > 8.0, view
+    d = c.route(prompt(99), NS)
+    assert d.best.worker == "w1", d.explain()
 
 
 def test_placement_can_be_turned_off() -> None:

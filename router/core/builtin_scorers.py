@@ -91,8 +91,9 @@ class PlacementScorer:
     what every replica sees alike: among the workers in the least demanded bucket, the
     rendezvous hash of the prompt's opening blocks picks one; it scores 1, the others at most
     0.3 (by demand), which with the default weights no load or headroom term overturns. Only
-    workers running at most `slack` requests more than the least loaded one take part, so a
-    burst of new prompts spreads instead of queueing on the least demanded cache.
+    workers running at most `slack` requests more than the least loaded one take part
+    (`_running`), so a burst of new prompts spreads instead of queueing on the least
+    demanded cache.
 
     Demand matters only where a cache is short of room. While a cache's recent demand plus
     the new prompt is under `room` of its size, the new prefix goes to the roomy worker
@@ -137,8 +138,8 @@ class PlacementScorer:
                 int(c.recent_blocks // step) if step > 0 else 0,
             )
 
-        least = min(c.load.requests for c in cands)
-        free = [c for c in cands if c.load.requests <= least + self.slack]
+        least = min(_running(c) for c in cands)
+        free = [c for c in cands if _running(c) <= least + self.slack]
         roomy = [c for c in free if self._has_room(request, c)]
         if roomy:
             winner = min(roomy, key=lambda c: self._cost(request, c, level(c)))
@@ -165,14 +166,23 @@ class PlacementScorer:
         running there and about as many arriving while it runs (engines batch every
         waiting prefill into one step). A worker serving a stream of repeats of a hot prefix
         has little prefill queued, but a cold prefill there delays the whole stream. Requests
-        running there count as the more of the moment's and the last second's average
-        (rounded to whole requests, so that idle workers still tie): a worker serving chat
-        sessions runs nothing for the few milliseconds between their turns (measured on
-        multi-turn: three new conversations in a row landed on such a worker). Ties: the
-        less demanded cache, then the rendezvous hash, as replicas agree."""
-        running = max(c.load.requests, round(c.load.busy))  # whole requests: ties stay ties
-        wait = c.load.prefill_tokens + 2 * request.prompt_tokens * running
+        running there: `_running` (measured on multi-turn with the moment's count alone:
+        three new conversations in a row landed on a worker between its sessions' turns).
+        Ties: the less demanded cache, then the rendezvous hash, as replicas agree."""
+        wait = c.load.prefill_tokens + 2 * request.prompt_tokens * _running(c)
         return (wait, level, -rendezvous(request.key, c.name))
+
+
+def _running(c: Candidate) -> int:
+    """Requests a worker runs, for placing a new prefix: the more of the moment's count and
+    its last second's average, in whole requests (so that idle workers still tie). A worker
+    serving chat sessions runs nothing for the few milliseconds between their turns, and a
+    hot prefix's worker little for the moment between its waves: measured on hot-prefix with
+    two replicas, the moment's count made that worker the only one within `slack` of the
+    least loaded as its first wave ended, and it took a cold prefix whose prefill then
+    stalled its stream. The average also moves little between replicas that hear each
+    other's requests milliseconds late."""
+    return max(c.load.requests, round(c.load.busy))
 
 
 def rendezvous(key: int, worker: str) -> int:

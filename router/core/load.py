@@ -24,7 +24,7 @@ class LoadView:
     prefill_tokens: int  # uncached prompt tokens of local requests before their first token
     decode_blocks: float  # KV blocks of requests in decode, local or scraped
     kv_usage: float | None = None  # the engine's own gauge, 0..1, if scraped
-    # this router's own in-flight count on the worker, time-averaged over ~BUSY_TAU_S
+    # in flight on the worker (this router's and its peers'), time-averaged over ~BUSY_TAU_S
     busy: float = 0.0
 
 
@@ -43,13 +43,23 @@ class _Local:
     requests: int = 0
     prefill_tokens: int = 0
     decode_blocks: int = 0
-    busy: float = 0.0  # time-averaged `requests` up to `stamp`
+
+
+@dataclass
+class _Busy:
+    """The known in-flight count (this router's and its peers'), time-averaged. Replicas
+    see each other's requests milliseconds late, which moves the moment's count but barely
+    its one-second average: so two replicas weighing a worker by it agree."""
+
+    requests: int = 0  # the known count since `stamp`
+    busy: float = 0.0  # time-averaged count up to `stamp`
     stamp: float = 0.0
 
-    def settle(self, now: float) -> None:
-        """Fold the time since the last change into `busy` before `requests` changes."""
+    def set(self, requests: int, now: float) -> None:
+        """Fold the time since the last change into `busy`, then take the new count."""
         self.busy = self.busy_at(now)
         self.stamp = now
+        self.requests = requests
 
     def busy_at(self, now: float) -> float:
         keep = math.exp((self.stamp - now) / BUSY_TAU_S)
@@ -82,6 +92,7 @@ class LoadTracker:
     _local: dict[str, _Local] = field(default_factory=dict)
     _scraped: dict[str, _Scraped] = field(default_factory=dict)
     _peers: dict[str, dict[str, PeerLoad]] = field(default_factory=dict)  # worker -> replica
+    _busy: dict[str, _Busy] = field(default_factory=dict)
     # told the worker whose local load changed (the placement link publishes it)
     on_change: Callable[[str], None] | None = None
     clock: Clock = field(default_factory=MonotonicClock)
@@ -89,9 +100,9 @@ class LoadTracker:
     def start(self, worker: str, uncached_tokens: int, blocks: int) -> Ticket:
         """Count a request at the moment it is routed."""
         local = self._local.setdefault(worker, _Local())
-        local.settle(self.clock.now())
         local.requests += 1
         local.prefill_tokens += uncached_tokens
+        self._counted(worker)
         if self.on_change is not None:
             self.on_change(worker)
         return Ticket(worker, uncached_tokens, blocks)
@@ -114,9 +125,9 @@ class LoadTracker:
             local.decode_blocks -= t.blocks
         else:
             local.prefill_tokens -= t.prefill_tokens
-        local.settle(self.clock.now())
         local.requests -= 1
         t.done = True
+        self._counted(t.worker)
         if self.on_change is not None:
             self.on_change(t.worker)
 
@@ -142,11 +153,22 @@ class LoadTracker:
             by_replica[replica] = load
         else:
             by_replica.pop(replica, None)
+        self._counted(worker)
 
     def forget_peer(self, replica: str) -> None:
         """A replica went silent (stopped, or the link broke): its load no longer counts."""
-        for by_replica in self._peers.values():
-            by_replica.pop(replica, None)
+        for worker, by_replica in self._peers.items():
+            if by_replica.pop(replica, None) is not None:
+                self._counted(worker)
+
+    def _counted(self, worker: str) -> None:
+        """The known count on `worker` changed: average the one it replaces."""
+        requests = self.known(worker).requests
+        busy = self._busy.get(worker)
+        if busy is None:
+            busy = self._busy[worker] = _Busy(stamp=self.clock.now())
+        if busy.requests != requests:
+            busy.set(requests, self.clock.now())
 
     def scraped(
         self,
@@ -164,8 +186,8 @@ class LoadTracker:
 
     def view(self, worker: str) -> LoadView:
         known = self.known(worker)
-        local = self._local.get(worker)
-        busy = local.busy_at(self.clock.now()) if local is not None else 0.0
+        b = self._busy.get(worker)
+        busy = b.busy_at(self.clock.now()) if b is not None else 0.0
         s = self._scraped.get(worker)
         if s is None:
             return LoadView(known.requests, known.prefill_tokens, known.decode_blocks, None, busy)
@@ -181,3 +203,4 @@ class LoadTracker:
         self._local.pop(worker, None)
         self._scraped.pop(worker, None)
         self._peers.pop(worker, None)
+        self._busy.pop(worker, None)
