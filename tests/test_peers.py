@@ -286,12 +286,12 @@ def test_a_peer_not_heard_after_the_wait_is_named_once(caplog: pytest.LogCapture
     assert not caplog.records
 
 
-async def test_drain_applies_what_arrived_before_the_receive_task_runs() -> None:
-    """The pick calls drain: a placement already in the socket counts even while the event
-    loop has not yet run the receive task (a burst of requests holds it for milliseconds)."""
-    a_fleet, b_fleet = fleet_of(w=EVENTS), fleet_of(w=EVENTS)
+@contextlib.asynccontextmanager
+async def joined() -> AsyncIterator[tuple[PlacementLink, PlacementLink]]:
+    """Two links over real ZMQ, `b` subscribed to `a` and past `a`'s greeting."""
     a_pub = f"tcp://127.0.0.1:{free_port()}"
-    a, b = PlacementLink(a_fleet, a_pub, []), PlacementLink(b_fleet, None, [a_pub])
+    a = PlacementLink(fleet_of(w=EVENTS), a_pub, [])
+    b = PlacementLink(fleet_of(w=EVENTS), None, [a_pub])
     await a.start()
     await b.start()
     try:
@@ -300,6 +300,17 @@ async def test_drain_applies_what_arrived_before_the_receive_task_runs() -> None
         # b too: whichever comes second must be read before the placements are counted
         await asyncio.sleep(5 * CATCH_UP_S)
         b.drain()
+        yield a, b
+    finally:
+        await a.stop()
+        await b.stop()
+
+
+async def test_drain_applies_what_arrived_before_the_receive_task_runs() -> None:
+    """The pick calls drain: a placement already in the socket counts even while the event
+    loop has not yet run the receive task (a burst of requests holds it for milliseconds)."""
+    async with joined() as (a, b):
+        b_fleet = b.fleet
         assert b._sub_now is not None
         a.sent("w", H)
         a.sent("w", H[:1])  # placed in the same turn: one message
@@ -309,9 +320,6 @@ async def test_drain_applies_what_arrived_before_the_receive_task_runs() -> None
         assert b.drain() == 1 and b.drain() == 0
         assert b_fleet.predictions.find_matches(H)["w"].blocks == len(H)
         assert b.counts["applied"] == 2
-    finally:
-        await a.stop()
-        await b.stop()
 
 
 async def test_a_new_prefix_leaves_at_once_with_the_load_behind_it() -> None:
@@ -319,15 +327,8 @@ async def test_a_new_prefix_leaves_at_once_with_the_load_behind_it() -> None:
     new prefix's goes at the send, with this replica's load on the worker: in a burst the
     turn runs every request that arrived with it, and a peer placing meanwhile would place
     blind. The loop never turns here, so only what was sent at once can arrive."""
-    a_fleet, b_fleet = fleet_of(w=EVENTS), fleet_of(w=EVENTS)
-    a_pub = f"tcp://127.0.0.1:{free_port()}"
-    a, b = PlacementLink(a_fleet, a_pub, []), PlacementLink(b_fleet, None, [a_pub])
-    await a.start()
-    await b.start()
-    try:
-        await until(lambda: b.counts["load"] > 0, within_s=5)  # joined
-        await asyncio.sleep(5 * CATCH_UP_S)
-        b.drain()
+    async with joined() as (a, b):
+        a_fleet, b_fleet = a.fleet, b.fleet
         assert b._sub_now is not None
         other = hash_request(list(range(100, 164)), 16, Namespace())
         a_fleet.load.start("w", 64, 4)  # the request's load, counted at the pick
@@ -344,9 +345,6 @@ async def test_a_new_prefix_leaves_at_once_with_the_load_behind_it() -> None:
         assert b_fleet.predictions.find_matches(H)["w"].blocks == len(H)
         assert b_fleet.predictions.find_matches(other)["w"].blocks == len(other)
         assert b_fleet.load.view("w").requests == 2
-    finally:
-        await a.stop()
-        await b.stop()
 
 
 async def prime(a: PlacementLink, b: PlacementLink) -> None:
