@@ -313,7 +313,7 @@ class PlacementLink:
         if new:
             self._outbox.append((worker, hashes))
             self.flush()
-            self._flush()
+            self._flush_load()
             return
         if not self._outbox:
             asyncio.get_running_loop().call_soon(self.flush)
@@ -348,10 +348,10 @@ class PlacementLink:
         report per change cost ~0.3 ms of CPU per request between two processes)."""
         if self._flush_timer is None:
             loop = asyncio.get_running_loop()
-            self._flush_timer = loop.call_later(LOAD_FLUSH_S, self._flush)
+            self._flush_timer = loop.call_later(LOAD_FLUSH_S, self._flush_load)
         self._dirty.add(worker)
 
-    def _flush(self) -> None:
+    def _flush_load(self) -> None:
         if self._flush_timer is not None:
             self._flush_timer.cancel()
         self._flush_timer = None
