@@ -425,10 +425,13 @@ async def test_two_replicas_placing_new_prompts_at_once_spread_them() -> None:
     so every pair spreads over both (without the wait both see the same least demanded
     worker; earlier, pairs landed together within three pairs in 5 of 5 tries)."""
     async with replicas() as (apps, clients):
-        for _ in range(100):  # the slow joiner: until each replica has heard the other
+        for _ in range(100):  # the slow joiner: until each has heard and applied the other
             for client in clients:
                 await complete(client, "warm-up: " + "the router sends each request on " * 4)
-            if all(app.peers is not None and app.peers.heard for app in apps):
+            # heard alone is not enough: the greeting (load) reaches a new subscriber at
+            # once, while a placement published before its subscription took is dropped
+            links = [app.peers for app in apps]
+            if all(p is not None and p.heard and p.counts["applied"] for p in links):
                 break
             await asyncio.sleep(0.05)
         assert all(app.peers is not None and app.peers.counts["applied"] for app in apps)
