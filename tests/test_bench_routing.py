@@ -265,3 +265,20 @@ def test_routers_take_turns_run_by_run_and_a_failing_one_is_a_row(
     assert out["routers"]["random"]["skipped"].startswith("failed: router died")
     assert out["routers"]["kvroute"]["ttft_p90_ms_runs"] == [2.0, 3.0, 4.0]
     assert list(out["routers"]) == ["kvroute", "random", "round_robin"]
+
+
+def test_the_diagnosis_tells_a_cold_start_tail_from_a_steady_one() -> None:
+    """routing_diag says whether a workload's TTFT p90 is set by the first wave (sent in the
+    run's first second) or by the run as a whole."""
+    from router.bench.driver import Sample
+    from router.bench.routing_diag import slow_tail
+
+    def at(sent: float, ttft: float) -> Sample:
+        return Sample(ttft_ms=ttft, gaps_ms=[], cached_tokens=0, prompt_tokens=1, sent=sent)
+
+    steady = [at(100.0 + i * 0.5, 50.0) for i in range(17)]
+    cold = [at(100.0, 400.0), at(100.2, 390.0), at(100.4, 380.0)]
+    assert slow_tail(steady + cold) == (3, 3)
+    late = [*steady, at(105.0, 400.0), at(106.0, 390.0), at(100.4, 380.0)]
+    assert slow_tail(late) == (3, 1)
+    assert slow_tail([]) == (0, 0)

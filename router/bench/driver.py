@@ -35,6 +35,7 @@ class Sample:
     prompt_tokens: int
     group: str = ""
     worker: str | None = None  # kvroute's x-kvroute-worker header; peers name none
+    sent: float = 0.0  # time.perf_counter() when the request was sent
 
 
 @dataclass
@@ -129,6 +130,7 @@ async def one(client: httpx.AsyncClient, url: str, r: Request, model: str = MODE
         prompt_tokens=int(usage.get("prompt_tokens", 0)),
         group=r.group,
         worker=worker,
+        sent=t0,
     )
 
 

@@ -8,8 +8,9 @@ engines really hold at the end (their `POST /sim/cached_tokens` ground truth).
 Prints per run: cached fraction and the ideal; groups homed per worker (the worker of a
 group's first request) and how many groups were split over several workers; the router's
 prediction fidelity (`kvroute_prediction_fidelity_total`: exact / over / under, over = it
-believed blocks cached that the engine no longer had); evictions per engine; and how many
-groups' whole shared prefix each engine still holds.
+believed blocks cached that the engine no longer had); requests and TTFT p90 per worker, and
+whether the slowest tenth was sent in the run's first second (the cold start) or later;
+evictions per engine; and how many groups' whole shared prefix each engine still holds.
 """
 
 from __future__ import annotations
@@ -179,6 +180,13 @@ def report(
     print(f"  groups split over >1 worker: {split} of {len(spread)}")
     served = collections.Counter(names.get(x.worker or "", -1) for x in s)
     print(f"  requests per worker: {[served.get(i, 0) for i in range(w.workers)]}")
+    by_worker: dict[int, list[float]] = collections.defaultdict(list)
+    for x in s:
+        by_worker[names.get(x.worker or "", -1)].append(x.ttft_ms)
+    p90s = [_p90(by_worker.get(i, [])) for i in range(w.workers)]
+    print(f"  TTFT p90 ms per worker: {p90s}, all: {_p90([x.ttft_ms for x in s])}")
+    tail, early = slow_tail(s)
+    print(f"  requests at or over the p90: {tail}, sent in the run's first second: {early}")
     print(f"  evicted blocks per engine: {[st['blocks_evicted'] for st in stats]}")
     print(f"  groups whose whole prefix each engine holds at the end: {truth}")
     fid = {k: v for k, v in router_metrics.items() if k.startswith("fidelity")}
@@ -187,6 +195,24 @@ def report(
     rep = router_metrics.get("reported", 0.0)
     print(f"  predicted cached tokens {pred:.0f}, reported {rep:.0f} ({pred / max(rep, 1):.3f}x)")
     return round(cached, 4)
+
+
+def _p90(values: list[float]) -> float:
+    if not values:
+        return 0.0
+    return round(sorted(values)[int(0.9 * (len(values) - 1))], 1)
+
+
+def slow_tail(samples: list[Sample], first_s: float = 1.0) -> tuple[int, int]:
+    """How many requests took the p90 TTFT or longer, and how many of those were sent in the
+    run's first `first_s` seconds: a tail sent at the start is the cold start (every cache
+    empty, the first wave arriving at once), one spread over the run is the steady state."""
+    if not samples:
+        return 0, 0
+    p90 = _p90([x.ttft_ms for x in samples])
+    start = min(x.sent for x in samples)
+    tail = [x.sent - start for x in samples if x.ttft_ms >= p90]
+    return len(tail), sum(1 for t in tail if t < first_s)
 
 
 _LINE = re.compile(r"^(kvroute_[a-z_]+)\{([^}]*)\} ([0-9.eE+-]+)$", re.M)
