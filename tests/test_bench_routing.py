@@ -282,3 +282,18 @@ def test_the_diagnosis_tells_a_cold_start_tail_from_a_steady_one() -> None:
     late = [*steady, at(105.0, 400.0), at(106.0, 390.0), at(100.4, 380.0)]
     assert slow_tail(late) == (3, 1)
     assert slow_tail([]) == (0, 0)
+
+
+def test_the_bench_fleet_publishes_on_vllms_default_topic() -> None:
+    """vllm-router's static event sources take no topic and drop frames under any other
+    than vLLM's default, the empty one: under `kv-events` its kv_aware credited no prefix
+    and routed like round robin. Every target sees the same fleet, so it publishes on ''."""
+    from engines.sim.fleet import start_fleet_process
+    from router.bench.routing import fleet_args
+
+    w = workloads.build("seed", 0, scale=0.1)
+    with start_fleet_process(2, fleet_args(w, 0)) as fleet:
+        assert [x["topic"] for x in fleet.workers] == ["", ""]
+        assert all(x["events_endpoint"] for x in fleet.workers)
+    with start_fleet_process(2, fleet_args(w, 0, events=False)) as fleet:
+        assert not any(x["events_endpoint"] for x in fleet.workers)

@@ -205,12 +205,21 @@ def _logged_run(plan: Plan, w: Workload, seed: int, router: str, target: Target)
     return row
 
 
-def one_run(w: Workload, target: Target, seed: int, drive_fn: Drive) -> dict[str, Any]:
-    args = ["--block-size", str(w.block_size), "--kv-blocks", str(w.kv_blocks)]
+def fleet_args(w: Workload, seed: int, events: bool = True) -> list[str]:
+    """`kvroute fleet` arguments for one run of a workload. The events go out on vLLM's
+    default topic, the empty one: vllm-router's static event sources take no topic and drop
+    every frame under another (measured: its `kv_aware` credited no prefix at all under
+    `kv-events`, and routed like round robin)."""
+    args = ["--block-size", str(w.block_size), "--kv-blocks", str(w.kv_blocks), "--topic", ""]
     args += ["--output-len", "512:512", "--seed", str(seed), *w.sim_args]
-    if not target.events:
+    if not events:
         for i in range(w.workers):
             args += ["--no-events-on", str(i)]
+    return args
+
+
+def one_run(w: Workload, target: Target, seed: int, drive_fn: Drive) -> dict[str, Any]:
+    args = fleet_args(w, seed, target.events)
     with start_fleet_process(w.workers, args) as fleet:
         workers = fleet.workers
         with target.launch(workers, seed) as urls:

@@ -30,6 +30,7 @@ from engines.sim.fleet import start_fleet_process
 from router.bench import driver
 from router.bench.driver import DriveResult, Sample, drive
 from router.bench.ideal import ideal_fraction
+from router.bench.routing import fleet_args
 from router.bench.targets import replicas_target, with_config
 from router.bench.workloads import Request, Workload, build
 
@@ -67,13 +68,8 @@ def main() -> None:
 
 
 def diagnose(w: Workload, target: Any, seed: int) -> float:
-    fleet_args = ["--block-size", str(w.block_size), "--kv-blocks", str(w.kv_blocks)]
-    fleet_args += ["--output-len", "512:512", "--seed", str(seed), *w.sim_args]
-    if not target.events:
-        for i in range(w.workers):
-            fleet_args += ["--no-events-on", str(i)]
     with (
-        start_fleet_process(w.workers, fleet_args) as fleet,
+        start_fleet_process(w.workers, fleet_args(w, seed, target.events)) as fleet,
         target.launch(fleet.workers, seed) as urls,
     ):
         result = asyncio.run(drive(w, urls))
