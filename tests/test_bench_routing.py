@@ -9,7 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from engines.sim.fleet import start_fleet_process
 from router.bench import ideal, routing, workloads
+from router.bench.driver import Sample
+from router.bench.routing import fleet_args
+from router.bench.routing_diag import slow_tail
 from router.bench.targets import with_config
 from router.bench.vllm_driver import command, row_from_result
 from router.tokenize import PACKAGED_TOKENIZER, LocalTokenizer
@@ -270,8 +274,6 @@ def test_routers_take_turns_run_by_run_and_a_failing_one_is_a_row(
 def test_the_diagnosis_tells_a_cold_start_tail_from_a_steady_one() -> None:
     """routing_diag says whether a workload's TTFT p90 is set by the first wave (sent in the
     run's first second) or by the run as a whole."""
-    from router.bench.driver import Sample
-    from router.bench.routing_diag import slow_tail
 
     def at(sent: float, ttft: float) -> Sample:
         return Sample(ttft_ms=ttft, gaps_ms=[], cached_tokens=0, prompt_tokens=1, sent=sent)
@@ -288,9 +290,6 @@ def test_the_bench_fleet_publishes_on_vllms_default_topic() -> None:
     """vllm-router's static event sources take no topic and drop frames under any other
     than vLLM's default, the empty one: under `kv-events` its kv_aware credited no prefix
     and routed like round robin. Every target sees the same fleet, so it publishes on ''."""
-    from engines.sim.fleet import start_fleet_process
-    from router.bench.routing import fleet_args
-
     w = workloads.build("seed", 0, scale=0.1)
     with start_fleet_process(2, fleet_args(w, 0)) as fleet:
         assert [x["topic"] for x in fleet.workers] == ["", ""]
