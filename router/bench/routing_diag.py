@@ -30,7 +30,7 @@ from engines.sim.fleet import start_fleet_process
 from router.bench import driver
 from router.bench.driver import DriveResult, Sample, drive
 from router.bench.ideal import ideal_fraction
-from router.bench.routing import fleet_args
+from router.bench.routing import fleet_args, pct
 from router.bench.targets import replicas_target, with_config
 from router.bench.workloads import Request, Workload, build
 
@@ -194,9 +194,8 @@ def report(
 
 
 def _p90(values: list[float]) -> float:
-    if not values:
-        return 0.0
-    return round(sorted(values)[int(0.9 * (len(values) - 1))], 1)
+    """The bench's own p90 (nearest rank), so the diag's agrees with the table's."""
+    return round(pct(sorted(values), 0.9), 1)
 
 
 def slow_tail(samples: list[Sample], first_s: float = 1.0) -> tuple[int, int]:
