@@ -89,13 +89,15 @@ def test_new_prefix_goes_where_the_cache_has_room() -> None:
 
 
 FULL = {"placement": {"room": 0}}  # as if every cache were short of room
+# ...and no new prefix counted: demand alone ranks the workers
+DEMAND = {"placement": {"room": 0, "homes": False}}
 
 
 def test_new_prefixes_are_homed_by_recent_demand_not_by_the_load_of_the_moment() -> None:
     """Caches short of room: w0's cache stored three prefixes lately, w1's one, and w1 is
     running a request: a new prefix goes to w1, the cache with less demand, though w1 is
     the busier now; a repeat still follows its prefix."""
-    c = core(params=FULL)
+    c = core(params=DEMAND)
     for s in range(3):
         store(c, "w0", prompt(20 + s))
     store(c, "w1", prompt(30))
@@ -128,16 +130,19 @@ def test_replicas_agree_on_where_a_new_prefix_goes() -> None:
 def test_a_burst_of_new_prompts_spreads_though_one_cache_is_less_demanded() -> None:
     """Caches short of room: w1's cache is far less demanded, but new prompts sent at once
     must not all queue on it: once it runs `slack` (2) more requests than w0, w0 takes the
-    next one."""
-    c = core(params=FULL)
-    for s in range(4):
-        store(c, "w0", prompt(20 + s))
-    placed = []
-    for i in range(6):
-        d = c.route(prompt(100 + i), NS)
-        placed.append(d.best.worker)
-        c.commit(d, d.best.worker)  # in flight, never finished
-    assert placed[:4] == ["w1", "w1", "w1", "w0"]
+    next one (by demand alone; counting the new prefixes each was sent, they alternate)."""
+    placements = []
+    for params in (DEMAND, FULL):
+        c = core(params=params)
+        for s in range(4):
+            store(c, "w0", prompt(20 + s))
+        placed = []
+        for i in range(6):
+            d = c.route(prompt(100 + i), NS)
+            placed.append(d.best.worker)
+            c.commit(d, d.best.worker)  # in flight, never finished
+        placements.append(placed[:4])
+    assert placements == [["w1", "w1", "w1", "w0"], ["w1", "w0", "w1", "w0"]]
 
 
 def _hot_and_cold(c: Core) -> Core:
@@ -227,15 +232,19 @@ def test_replicas_place_new_prefixes_by_demand_alone() -> None:
     assert _hot_and_cold(Core(config, 2, EVENTS)).route(prompt(99), NS).best.worker == "w1"
 
 
-def test_replicas_home_new_prefixes_by_their_first_prompts_before_demand() -> None:
-    """With peers, a new prefix goes to the worker sent the fewest new-prefix blocks lately
-    (each counted at its first prompt), before demand: w0 homes one conversation grown
-    long, w1 two just started (less demand between them), so demand alone sends the next
-    one to w1 and the first prompts send it to w0. A later turn does not count; one
-    replica ranks by demand."""
-    peers = Config(peers=("tcp://kvroute-1:5570",), scoring=ScoringConfig())
-    alone = Config(scoring=ScoringConfig(params=FULL))
-    for config, expect in ((peers, "w0"), (alone, "w1")):
+def test_new_prefixes_are_homed_by_their_first_prompts_before_demand() -> None:
+    """A new prefix goes to the worker sent the fewest new-prefix blocks lately (each
+    counted at its first prompt), before demand: w0 homes one conversation grown long, w1
+    two just started (less demand between them), so demand alone sends the next one to w1
+    and the first prompts send it to w0. A later turn does not count. One replica ranks so
+    as replicas do; `homes: false` leaves demand alone."""
+    by_demand = {"placement": {"room": 0, "homes": False}}
+    cases = (
+        (Config(peers=("tcp://kvroute-1:5570",), scoring=ScoringConfig()), "w0"),
+        (Config(scoring=ScoringConfig(params=FULL)), "w0"),
+        (Config(scoring=ScoringConfig(params=by_demand)), "w1"),
+    )
+    for config, expect in cases:
         c = Core(config, 2, EVENTS)
         c.commit(c.route(prompt(1, blocks=8), NS), "w0")
         grown = prompt(1, blocks=24)
@@ -248,7 +257,7 @@ def test_replicas_home_new_prefixes_by_their_first_prompts_before_demand() -> No
         homed = [c.workers[w].new_blocks for w in ("w0", "w1")]
         assert [h.value() for h in homed if h is not None] == [8.0, 16.0]
         d = c.route(prompt(99), NS)
-        assert d.best.worker == expect, (config.shares_placements, d.explain())
+        assert d.best.worker == expect, (config, d.explain())
 
 
 def test_the_average_load_counts_the_peers_requests() -> None:

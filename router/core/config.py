@@ -331,14 +331,10 @@ class Config:
             # replicas must agree where a new prefix goes, so only what they all see alike
             # may decide it; their in-flight load differs by the requests of the last
             # milliseconds (placing by load while caches had room split groups:
-            # vllm-prefix-repetition with two replicas 0.720 cached against 0.737)...
+            # vllm-prefix-repetition with two replicas 0.720 cached against 0.737); the
+            # new prefixes each worker was given lately (placement's `homes`, on for every
+            # router) they count alike from their own and their peers' placements
             placement.setdefault("room", 0.0)
-            # ...and first by the new prefixes each worker was given lately, which every
-            # replica counts alike from its own and its peers' placements: demand in blocks
-            # weighs a just-started conversation at its first prompt, so a worker whose
-            # conversations were young drew more (multi-turn, two replicas: max/min 1.40 in
-            # about half the runs; with this and peer_wait_ms, 1.00 in 11 of 12)
-            placement.setdefault("homes", True)
         scorer_params = {**s.params, "placement": placement} if placement else s.params
         return build_profile(
             name,
