@@ -80,16 +80,17 @@ class PlacementScorer:
     whose caches are full, the worker that was least loaded at the moment each new prefix
     arrived is effectively random, and a worker that ends up home to more prefixes than its
     cache holds evicts them in turn (measured: groups homed 7/8/8/9 over four workers gave a
-    0.654 cached fraction where 8/8/8/8 gave 0.727). So for a new prompt this scores the
-    workers by their recent demand: the blocks their caches stored lately (KV events, decayed
-    with a 60 s half-life; the same figure on every router replica) plus this router's own
-    predictions of the last few seconds (so one router does not pile a burst of new prefixes
-    on one worker before their events arrive).
+    0.654 cached fraction where 8/8/8/8 gave 0.727). So for a new prompt this ranks the
+    workers by the new prefixes each homes lately (`homes`, last paragraph), then by their
+    recent demand: the blocks their caches stored lately (KV events, decayed with a 60 s
+    half-life; the same figure on every router replica) plus this router's own predictions
+    of the last few seconds (so one router does not pile a burst of new prefixes on one
+    worker before their events arrive).
 
     Router replicas must agree on where a new prefix goes, or two requests sharing it that
     reach two replicas before its blocks show in the events are prefilled on two workers
     (measured with two replicas: 7-11 of 32 groups split). So the winner is chosen only from
-    what every replica sees alike: among the workers in the least demanded bucket, the
+    what every replica sees alike: among the workers in the lowest bucket, the
     rendezvous hash of the prompt's opening blocks picks one; it scores 1, the others at most
     0.3 (by demand), which with the default weights no load or headroom term overturns. Only
     workers running at most `slack` requests more than the least loaded one take part
