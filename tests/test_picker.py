@@ -238,11 +238,10 @@ def test_new_prefixes_are_homed_by_their_first_prompts_before_demand() -> None:
     two just started (less demand between them), so demand alone sends the next one to w1
     and the first prompts send it to w0. A later turn does not count. One replica ranks so
     as replicas do; `homes: false` leaves demand alone."""
-    by_demand = {"placement": {"room": 0, "homes": False}}
     cases = (
         (Config(peers=("tcp://kvroute-1:5570",), scoring=ScoringConfig()), "w0"),
         (Config(scoring=ScoringConfig(params=FULL)), "w0"),
-        (Config(scoring=ScoringConfig(params=by_demand)), "w1"),
+        (Config(scoring=ScoringConfig(params=DEMAND)), "w1"),
     )
     for config, expect in cases:
         c = Core(config, 2, EVENTS)
