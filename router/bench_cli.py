@@ -3,8 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
+
+WORKLOAD_FILE_HELP = """\
+workload files (--workload-file F), one JSON object per line:
+  {"workload": "support-bot", "workers": 4, "kv_blocks": 926, "concurrency": 16}
+  {"prompt": "<system prompt> User: where is my order?", "group": "support"}
+  {"prompt": "<turn 1>", "chain": "conv-7", "max_tokens": 32}
+  {"prompt": "<turn 1> <reply> <turn 2>", "chain": "conv-7"}
+  {"prompt": "...", "wave": 1}
+The first line is optional (defaults: the file's stem, 4 workers, 926 KV blocks of 16
+tokens each, 16 chains in flight; also "block_size", "max_model_len", "shuffle": false
+to keep the file's order in every run, "replicas": {group: workers} for the ideal).
+A chain's requests run in file order (a conversation's turns); a wave starts when the
+one before it has finished; "group" is the prefix the ideal pins to one worker
+(default: the chain, else the prompts sharing the first 256 tokens). Start from a
+built-in one: --workload hot-prefix --write-workload hot.jsonl
+"""
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -67,18 +85,35 @@ def _register_routing(bsub: argparse._SubParsersAction[argparse.ArgumentParser])
         "sibling-burst workloads through kvroute, round_robin and the peers' cache_aware "
         "(~15 minutes on 2 cores); --full: every workload, router and the two-replica rows. "
         "Peers missing from the bench venv are pip-installed there first.",
+        epilog=WORKLOAD_FILE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     rt.add_argument("--json", type=Path, help="write the results here as JSON")
     rt.add_argument("--plot", type=Path, help="write a bar chart here (SVG)")
     rt.add_argument("--workload", nargs="+", choices=list(GENERATORS), help="workloads to run")
+    rt.add_argument(
+        "--workload-file",
+        nargs="+",
+        type=Path,
+        default=[],
+        metavar="F",
+        help="your own workloads, JSON lines (below); run after --workload's, alone without",
+    )
+    rt.add_argument(
+        "--write-workload",
+        type=Path,
+        metavar="F",
+        help="write the one --workload named (run seed 0) as a workload file and exit",
+    )
     rt.add_argument("--routers", nargs="+", choices=list(TARGETS), help="routers to compare")
     rt.add_argument("--full", action="store_true", help="every workload and router, replicas")
     rt.add_argument("--runs", type=int, default=3, help="runs per cell; medians (default 3)")
     rt.add_argument(
         "--replicas",
         nargs="*",
-        choices=list(GENERATORS),
-        help="workloads to run through two kvroute replicas too (default: none; --full: all)",
+        metavar="WORKLOAD",
+        help="workloads (built-in or a file's) to run through two kvroute replicas too "
+        "(default: none; --full: all)",
     )
     rt.add_argument(
         "--driver",
@@ -86,7 +121,9 @@ def _register_routing(bsub: argparse._SubParsersAction[argparse.ArgumentParser])
         default="own",
         help="the bench's client, or vLLM's `vllm bench serve` (vllm-prefix-repetition only)",
     )
-    rt.add_argument("--scale", type=float, default=1.0, help="shrink the workloads (tests)")
+    rt.add_argument(
+        "--scale", type=float, default=1.0, help="shrink the built-in workloads (tests)"
+    )
     rt.add_argument("--config", type=Path, help="kvroute.yaml for kvroute's own routers")
     rt.add_argument("--no-install", action="store_true", help="never pip-install the peers")
     rt.set_defaults(func=_routing)
@@ -182,9 +219,13 @@ def _extproc(args: argparse.Namespace) -> int:
 
 def _routing(args: argparse.Namespace) -> int:
     from router.bench.routing import plan_for, run
+    from router.bench.workloads import GENERATORS
 
     if args.runs < 1:
         raise SystemExit("--runs must be >= 1")
+    if args.write_workload is not None:
+        return _write_workload(args)
+    files = _workload_files(args)
     plan = plan_for(
         args.workload,
         args.routers,
@@ -194,8 +235,52 @@ def _routing(args: argparse.Namespace) -> int:
         driver=args.driver,
         config=args.config,
         install_peers=not args.no_install,
+        files=files,
     )
     if args.replicas is not None:
+        known = {*GENERATORS, *files}
+        unknown = [n for n in args.replicas if n not in known]
+        if unknown:
+            raise SystemExit(
+                f"--replicas: no workload {unknown[0]!r}; the workloads: {', '.join(sorted(known))}"
+            )
         plan = replace(plan, replicas=tuple(args.replicas))
     run(plan, args.json, args.plot)
+    return 0
+
+
+def _workload_files(args: argparse.Namespace) -> dict[str, Any]:
+    """Every file checked before anything starts; a name must say which workload it is."""
+    from router.bench.workload_file import WorkloadFileError, load
+    from router.bench.workloads import GENERATORS
+
+    if args.workload_file and args.driver == "vllm":
+        raise SystemExit(
+            "--driver vllm runs vLLM's prefix_repetition dataset only; "
+            "a --workload-file runs with the bench's own client (leave --driver out)"
+        )
+    files: dict[str, Any] = {}
+    for path in args.workload_file:
+        try:
+            found = load(path)
+        except WorkloadFileError as exc:
+            raise SystemExit(f"--workload-file: {exc}") from None
+        if found.name in GENERATORS or found.name in files:
+            raise SystemExit(
+                f"--workload-file: {path} names its workload {found.name!r}, which is "
+                'already taken; set another with the header\'s "workload" key'
+            )
+        files[found.name] = found
+    return files
+
+
+def _write_workload(args: argparse.Namespace) -> int:
+    from router.bench.workload_file import dump
+    from router.bench.workloads import GENERATORS, build
+
+    if not args.workload or len(args.workload) != 1:
+        raise SystemExit("--write-workload writes one workload: name it with --workload NAME")
+    w = build(args.workload[0], 0, args.scale)
+    dump(w, args.write_workload, taken=GENERATORS)
+    print(f"wrote {args.write_workload}: {len(w.requests)} requests of {w.name}", file=sys.stderr)
     return 0

@@ -34,8 +34,8 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ from router.bench import peers
 from router.bench.driver import DriveResult, drive, engine_counters
 from router.bench.ideal import ideal_fraction, oracle_route
 from router.bench.targets import TARGETS, Target, Urls, replicas_target, with_config
+from router.bench.workload_file import FileWorkload
 from router.bench.workloads import GENERATORS, Workload, build
 
 DEFAULT_WORKLOADS = ("seed", "vllm-prefix-repetition", "sibling-burst")
@@ -66,6 +67,12 @@ class Plan:
     driver: str = "own"
     config: Path | None = None
     install_peers: bool = True
+    files: Mapping[str, FileWorkload] = field(default_factory=dict)  # workload files by name
+
+    def build(self, name: str, seed: int) -> Workload:
+        """Run `seed` of a built-in workload (at `scale`) or of a workload file (as written)."""
+        found = self.files.get(name)
+        return found.build(seed) if found is not None else build(name, seed, self.scale)
 
 
 def plan_for(
@@ -75,14 +82,17 @@ def plan_for(
     **kw: Any,
 ) -> Plan:
     """The default subset finishes in ~15 minutes on 2 cores; `full` runs everything.
-    vLLM's client has one dataset: `--driver vllm` runs vllm-prefix-repetition only."""
+    vLLM's client has one dataset: `--driver vllm` runs vllm-prefix-repetition only.
+    Workload files (`files`) run after the named workloads, and alone when none is named."""
     if kw.get("driver") == "vllm":
         chosen = routers or (tuple(TARGETS) if full else DEFAULT_ROUTERS)
         return Plan(workloads or ("vllm-prefix-repetition",), chosen, (), **kw)
+    files = tuple(kw.get("files") or ())
     if full:
-        all_w = tuple(GENERATORS)
-        return Plan(workloads or all_w, routers or tuple(TARGETS), workloads or all_w, **kw)
-    return Plan(workloads or DEFAULT_WORKLOADS, routers or DEFAULT_ROUTERS, (), **kw)
+        all_w = (*(workloads or GENERATORS), *files)
+        return Plan(all_w, routers or tuple(TARGETS), all_w, **kw)
+    named = tuple(workloads or (() if files else DEFAULT_WORKLOADS))
+    return Plan((*named, *files), routers or DEFAULT_ROUTERS, (), **kw)
 
 
 def run(plan: Plan, json_path: Path | None = None, plot_path: Path | None = None) -> dict[str, Any]:
@@ -108,7 +118,7 @@ def _workload(
     """Every router on one workload. The routers take turns run by run (seed 0 through
     each, then seed 1, ...), so the drift of a shared machine over the minutes of a
     sitting falls on all of them alike rather than on whichever ran last."""
-    loads = [build(name, seed, plan.scale) for seed in range(plan.runs)]
+    loads = [plan.build(name, seed) for seed in range(plan.runs)]
     ideal = statistics.median(ideal_fraction(w) for w in loads)
     routers: dict[str, Any] = {}
     rows: dict[str, list[dict[str, Any]]] = {}
@@ -179,7 +189,7 @@ def _measure_or_fail(plan: Plan, loads: list[Workload], router: str, t: Target) 
 def _replicas(
     plan: Plan, name: str, report: dict[str, Any], targets: dict[str, Target]
 ) -> dict[str, Any]:
-    loads = [build(name, seed, plan.scale) for seed in range(plan.runs)]
+    loads = [plan.build(name, seed) for seed in range(plan.runs)]
     done = report["workloads"].get(name, {}).get("routers", {}).get("kvroute")
     if not done or "skipped" in done:
         done = measure(plan, loads, "kvroute", targets["kvroute"])
