@@ -1,7 +1,8 @@
 """`kvroute bench routing`: routing quality of kvroute next to the baselines and the peer
 routers, on the same simulated fleet, with the engines' own figures.
 
-For every workload (router.bench.workloads) and router (router.bench.targets), each run
+For every workload (router.bench.workloads, or a user's file: router.bench.workload_file)
+and router (router.bench.targets), each run
 starts a fresh `kvroute fleet` (empty caches), the router in front of it, drives the
 workload (router.bench.driver, or vLLM's `vllm bench serve` with `--driver vllm`) and reads
 the engines: cached-token fraction from each response's

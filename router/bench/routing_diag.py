@@ -32,6 +32,7 @@ from router.bench.driver import DriveResult, Sample, drive
 from router.bench.ideal import ideal_fraction
 from router.bench.routing import fleet_args, pct
 from router.bench.targets import replicas_target, with_config
+from router.bench.workload_file import WorkloadFileError, load
 from router.bench.workloads import Request, Workload, build
 
 DECISIONS: list[tuple[Request, dict[str, Any], Sample]] = []
@@ -41,6 +42,7 @@ BELIEF: collections.Counter[str] = collections.Counter()
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", default="vllm-prefix-repetition")
+    p.add_argument("--workload-file", type=Path, help="a workload file instead (see bench routing)")
     p.add_argument("--router", default="kvroute")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--config", type=Path)
@@ -61,8 +63,12 @@ def main() -> None:
     else:
         target = with_config(args.config)[args.router]
     fractions = []
+    try:
+        mine = load(args.workload_file) if args.workload_file else None
+    except WorkloadFileError as exc:
+        raise SystemExit(str(exc)) from None
     for seed in range(args.runs):
-        w = build(args.workload, seed, args.scale)
+        w = mine.build(seed) if mine else build(args.workload, seed, args.scale)
         fractions.append(diagnose(w, target, seed))
     print(f"median cached fraction {statistics.median(fractions):.4f} over {fractions}")
 
