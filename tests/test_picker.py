@@ -294,6 +294,55 @@ def test_a_replica_does_not_home_a_new_prefix_where_a_wave_just_ended() -> None:
     assert d.best.worker == "w1", d.explain()
 
 
+SYSTEM = prompt(1)  # 8 blocks every session opens with
+
+
+def session(n: int, tail_blocks: int = 6) -> list[int]:
+    return [*SYSTEM, *(7000 + 100 * n + i for i in range(tail_blocks * BS))]
+
+
+def _churning_w0(**scoring: Any) -> Core:
+    """w0 served the first session (the system prompt is cached there) and stored more
+    lately than its 100 blocks hold; w1 is empty."""
+    c = core(**scoring)
+    store(c, "w0", session(0))
+    for s in range(13):
+        store(c, "w0", prompt(40 + s))
+    return c
+
+
+def test_a_new_session_moves_off_a_churning_cache_that_holds_only_its_system_prompt() -> None:
+    """Staying would prefill 6 blocks on a cache that must evict as much that others will
+    ask for again (6 x (1 + 2)); moving prefills 14 blocks where they fit (14 x 1)."""
+    c = _churning_w0()
+    d = c.route(session(1), NS)
+    assert d.best.worker == "w1", d.best
+    assert d.best.raw["placement"] == 1.0 and d.score_of("w0").overlap_blocks == 8
+    assert d.score_of("w0").raw["placement"] < 0.3
+
+
+@pytest.mark.parametrize(
+    ("churning", "tail_blocks", "params", "stays"),
+    [
+        (False, 6, {}, "w0"),  # w0's cache keeps it: the prefix credit decides
+        (True, 1, {}, "w0"),  # a short tail: 1 x 3 against 9 x 1
+        (True, 6, {"placement": {"churn": 0}}, "w0"),  # turned off
+    ],
+    ids=["cache-keeps-it", "short-tail", "churn-off"],
+)
+def test_a_prompt_stays_with_its_prefix_unless_moving_costs_less(
+    churning: bool, tail_blocks: int, params: dict[str, Any], stays: str
+) -> None:
+    if churning:
+        c = _churning_w0(params=params)
+    else:
+        c = core(params=params)
+        store(c, "w0", session(0))
+    d = c.route(session(1, tail_blocks), NS)
+    assert d.best.worker == stays, d.best
+    assert d.best.raw["placement"] == 1.0 and d.score_of("w1").raw["placement"] == 1.0
+
+
 def test_placement_can_be_turned_off() -> None:
     c = core(weights={"prefix": 1.0, "load": 0.5, "headroom": 0.1})
     for s in range(3):
