@@ -22,6 +22,10 @@ worker.
   vllm-prefix-repetition  vLLM's `prefix_repetition` as the issue ran it: 32 prefixes x
                           2,000 tokens + 100-token suffixes, 320 prompts, 16 in flight,
                           output 16, four workers with 1,000 KV blocks each
+  agent-sessions          8 agent sessions x 6 turns, all opening with one 800-token system
+                          prompt and growing by a tool result and a reply each turn, next
+                          to 60 retrieval queries over 5 documents (one asked 3 times as
+                          often), 12 in flight, 4 workers whose caches hold ~6,400 tokens
 
 `scale` (0..1] shrinks counts and lengths for tests. The order of requests depends on the
 run's seed; the texts do not (the same prompts in another order).
@@ -223,6 +227,31 @@ def vllm_prefix_repetition(t: Texts, run_seed: int, scale: float = 1.0) -> Workl
     return w
 
 
+def agent_sessions(t: Texts, run_seed: int, scale: float = 1.0) -> Workload:
+    """Sessions that share only their opening (the system prompt) and then grow their own
+    context: the worker that served the first session holds the opening, so a router that
+    follows the longest cached prefix sends every session there, whose cache then churns."""
+    sessions, turns, queries = _n(8, scale, 2), _n(6, scale, 2), _n(60, scale, 4)
+    system = t.make(_n(800, scale, 32), "You are an agent with tools: ")
+    chains: list[Chain] = []
+    for a in range(sessions):
+        context = f"{system}\n{t.make(_n(300, scale, 8), f'Session {a} task: ')}"
+        chain = []
+        for turn in range(turns):
+            context += f"\nTool result {turn}: {t.make(_n(120, scale, 4), '')}"
+            chain.append(Request(f"{context}\nAssistant:", f"agent{a}", 24))
+            context += " " + t.make(_n(40, scale, 2), "")  # the reply the next turn carries
+        chains.append(chain)
+    docs = [t.make(_n(1200, scale, 32), f"Retrieved document {d}: ") for d in range(5)]
+    asked = random.Random("agent-sessions/queries")  # which document: texts, not the order
+    for q in range(queries):
+        d = asked.choice([0, 0, 0, 1, 1, 2, 3, 4])
+        prompt = f"{docs[d]}\nQuestion: {t.make(_n(40, scale), f'Q{q} ')}"
+        chains.append([Request(prompt, f"doc{d}", 16)])
+    kv = 400 if scale >= 1 else _n(400, scale, 8)
+    return Workload("agent-sessions", 4, kv, 12, [_shuffled(chains, run_seed)])
+
+
 GENERATORS: dict[str, Callable[[Texts, int, float], Workload]] = {
     "seed": seed_workload,
     "shared-system": shared_system,
@@ -231,6 +260,7 @@ GENERATORS: dict[str, Callable[[Texts, int, float], Workload]] = {
     "hot-prefix": hot_prefix,
     "long-short-mix": long_short_mix,
     "vllm-prefix-repetition": vllm_prefix_repetition,
+    "agent-sessions": agent_sessions,
 }
 
 
