@@ -1,4 +1,5 @@
-"""Recent demand on a worker's cache as the KV events show it: blocks stored, decayed.
+"""Recent demand on a worker's cache as the KV events show it: blocks stored, decayed; and
+the blocks it stored again soon after evicting them (its cache is losing what it needs).
 
 Every router replica consumes the same events, so every replica computes the same figure
 (routing decisions, by contrast, are each replica's own: a demand counted from them differs
@@ -7,6 +8,8 @@ between replicas, and two replicas then home one new prefix on two workers)."""
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from collections.abc import Iterable
 
 from indexer.clock import Clock
 
@@ -38,3 +41,31 @@ class DecayingCount:
 
     def clear(self) -> None:
         self._value = 0.0
+
+
+class EvictedBlocks:
+    """The last `size` blocks a worker evicted, to count those it stores again: a cache
+    that evicts one-off tails (a query's own blocks) loses nothing it needs; one that
+    evicts a conversation's context, then prefills it again for its next turn, churns."""
+
+    def __init__(self, size: int = 1 << 16) -> None:
+        self.size = size
+        self._hashes: OrderedDict[object, None] = OrderedDict()
+
+    def evicted(self, hashes: Iterable[object]) -> None:
+        memory = self._hashes
+        for h in hashes:
+            memory[h] = None
+            memory.move_to_end(h)
+        while len(memory) > self.size:
+            memory.popitem(last=False)
+
+    def stored(self, hashes: Iterable[object]) -> int:
+        """How many of these newly stored blocks were evicted lately (each counted once)."""
+        memory = self._hashes
+        if not memory:
+            return 0
+        return sum(1 for h in hashes if memory.pop(h, 0) is None)
+
+    def clear(self) -> None:
+        self._hashes.clear()

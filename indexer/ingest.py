@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from indexer.clock import Clock
-from indexer.demand import DecayingCount
-from indexer.events import BlockStored, EventBatch
+from indexer.demand import DecayingCount, EvictedBlocks
+from indexer.events import DEFAULT_TIER, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from indexer.health import HealthTracker
 from indexer.index import ApplyResult, PrefixIndex
 from indexer.sequencing import SeqTracker, Verdict
@@ -130,9 +130,13 @@ class WorkerIngest:
         has_replay: bool = True,
         block_size: int | None = None,
         demand: DecayingCount | None = None,
+        refetched: DecayingCount | None = None,
     ) -> None:
         self.worker = worker
         self.demand = demand  # blocks this worker stored lately (the placement scorer)
+        # blocks it stored again soon after evicting them (the placement scorer's churn)
+        self.refetched = refetched
+        self._evicted = EvictedBlocks()
         self.index = index
         self._decode = decode
         self.health = health or HealthTracker(worker, clock)
@@ -306,6 +310,17 @@ class WorkerIngest:
             f"worker {self.worker}: dropped KV event {which} ({reason}): {detail[:DETAIL_CHARS]}",
         )
 
+    def _count_refetched(self, batch: EventBatch) -> None:
+        assert self.refetched is not None
+        for event in batch.events:  # GPU blocks only: one loaded back from CPU is no prefill
+            if isinstance(event, BlockRemoved) and event.tier == DEFAULT_TIER:
+                self._evicted.evicted(event.engine_hashes)
+            elif isinstance(event, BlockStored) and event.tier == DEFAULT_TIER:
+                if n := self._evicted.stored(event.engine_hashes):
+                    self.refetched.add(n)
+            elif isinstance(event, AllBlocksCleared):
+                self._evicted.clear()  # a reset, not churn: what follows is cold
+
     def apply_batch(self, batch: EventBatch) -> ApplyResult:
         """Apply a decoded batch (also used by `kvroute events replay` on captures)."""
         stored_seen = False
@@ -315,6 +330,8 @@ class WorkerIngest:
             if type(event) is BlockStored:
                 stored_seen = True
                 self._check_block_size(event.block_size)
+        if self.refetched is not None:
+            self._count_refetched(batch)
         res = self.index.apply(self.worker, batch)
         c = self.counters
         c.skipped_events += batch.skipped

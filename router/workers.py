@@ -302,6 +302,7 @@ class WorkerPool:
             has_replay=src.replay_endpoint is not None,
             block_size=h.config.block_size or self.config.block_size,
             demand=state.demand,
+            refetched=state.refetched,
         )
         feed.subscriber = EventSubscriber(
             feed.ingest,

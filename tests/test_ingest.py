@@ -284,3 +284,25 @@ def test_a_decoder_bug_is_contained() -> None:
     assert ingest.on_live(0, b"bug") is None
     assert ingest.on_live(1, block(1)) is None and holds(index, 1)
     assert ingest.counters.malformed_by_reason == {"decode": 1}
+
+
+def removed(*hashes: int) -> bytes:
+    return wire.encode_batch(0.0, [wire.BlockRemoved(block_hashes=list(hashes), medium="GPU")])
+
+
+def test_blocks_stored_again_after_their_eviction_count_as_refetched() -> None:
+    """A cache that evicts blocks it is later asked for again (a conversation's context)
+    churns; one that evicts blocks nobody asks for again (a query's own tail) does not."""
+    from indexer.demand import DecayingCount
+
+    clock = FakeClock()
+    index = PrefixIndex()
+    index.add_worker("w")
+    refetched = DecayingCount(clock)
+    ingest = WorkerIngest("w", index, wire.decode_batch, clock, refetched=refetched)
+    frames = [block(1), block(2), removed(1, 2), block(3), block(1), block(1)]
+    for seq, frame in enumerate(frames):
+        assert ingest.on_live(seq, frame) is None
+    assert refetched.value() == 1.0  # block 1 once (its second store was no refetch); 3 never left
+    clock.advance(60.0)
+    assert refetched.value() == pytest.approx(0.5)  # decays like demand

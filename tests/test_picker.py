@@ -321,6 +321,24 @@ def test_a_new_session_moves_off_a_churning_cache_that_holds_only_its_system_pro
     assert d.score_of("w0").raw["placement"] < 0.3
 
 
+@pytest.mark.parametrize("losing", [False, True], ids=["keeps-what-it-needs", "refetches"])
+def test_a_session_moves_to_a_cache_that_stores_much_but_loses_nothing_it_needs(
+    losing: bool,
+) -> None:
+    """w1 stored more lately than it holds (one-off query tails, say), so by demand it
+    churns as much as w0; but only what a cache evicts and then stores again shows it
+    losing what it needs. Without that the session moves there; with it, it stays."""
+    c = _churning_w0()
+    for s in range(30):
+        store(c, "w1", prompt(200 + s))
+    refetched = c.workers["w1"].refetched
+    assert refetched is not None
+    if losing:
+        refetched.add(20)
+    d = c.route(session(1), NS)
+    assert d.best.worker == ("w0" if losing else "w1"), d.best
+
+
 @pytest.mark.parametrize(
     ("churning", "tail_blocks", "params", "stays"),
     [

@@ -200,9 +200,8 @@ class PlacementScorer:
 
         def cost(c: Candidate) -> tuple[float, int]:
             tail = uncached_tokens(request.prompt_tokens, c.overlap_blocks, c.block_size)
-            return tail * (1 + self.churn * self._churns(request, c)), -rendezvous(
-                request.key, c.name
-            )
+            churns = self._churns(request, c) if c is best else _loses_blocks(request, c)
+            return tail * (1 + self.churn * churns), -rendezvous(request.key, c.name)
 
         winner = min([best, *self._free(cands)], key=cost)
         return None if winner is best else winner
@@ -235,6 +234,19 @@ class PlacementScorer:
         Ties: the less demanded cache, then the rendezvous hash, as replicas agree."""
         wait = c.load.prefill_tokens + 2 * request.prompt_tokens * _running(c)
         return (wait, level, -rendezvous(request.key, c.name))
+
+
+def _loses_blocks(request: ScoreRequest, c: Candidate) -> bool:
+    """Whether a worker a prompt would move to churns: its KV events show it storing again
+    blocks it evicted lately. Its demand is no measure here: demand counts every stored
+    block, one-off query tails too, which an LRU drops harmlessly, so on a busy fleet every
+    cache stores more than it holds (measured on agent-sessions: every cache's demand past
+    its size within a second, none of them evicting, and a new session then stayed with the
+    system prompt on the one cache that did). An approx-mode worker shows no evictions: its
+    demand decides."""
+    if c.refetched is None:
+        return PlacementScorer._churns(request, c)
+    return c.refetched >= 1.0
 
 
 def _running(c: Candidate) -> int:

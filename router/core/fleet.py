@@ -46,6 +46,8 @@ class WorkerState:
     # once at its first prompt: this replica's own at the send, its peers' as their
     # placements arrive (router/peers.py)
     new_blocks: DecayingCount | None = None
+    # blocks its KV events stored again soon after evicting them, decayed like demand
+    refetched: DecayingCount | None = None
 
     def __post_init__(self) -> None:
         self.worker = self.worker or self.name
@@ -77,6 +79,8 @@ class FleetState:
             state.demand = DecayingCount(self.clock)
         if state.new_blocks is None:
             state.new_blocks = DecayingCount(self.clock)
+        if state.refetched is None:
+            state.refetched = DecayingCount(self.clock)
         self.workers[state.name] = state
         self.index.add_worker(state.name, model=model)
 
@@ -103,6 +107,8 @@ class FleetState:
             w.demand.clear()
         if w is not None and w.new_blocks is not None:
             w.new_blocks.clear()
+        if w is not None and w.refetched is not None:
+            w.refetched.clear()
 
     def note_new_prefix(self, name: str, blocks: int) -> None:
         """A router sent `name` a prompt of `blocks` blocks that no endpoint held any of

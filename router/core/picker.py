@@ -119,6 +119,7 @@ class Picker:
             mode=w.mode,
             recent_blocks=_recent_blocks(w, self.fleet),
             new_blocks=w.new_blocks.value() if w.new_blocks is not None else 0.0,
+            refetched=w.refetched.value() if w.mode == EVENTS and w.refetched is not None else None,
         )
 
     def _run_scorers(

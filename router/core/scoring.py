@@ -32,6 +32,7 @@ class Candidate:
     mode: str = "events"  # where the overlap came from: events (exact) or approx
     recent_blocks: float = 0.0  # demand on its cache lately: blocks stored (events), decayed
     new_blocks: float = 0.0  # blocks of the new prefixes sent to it lately, decayed (fleet)
+    refetched: float | None = None  # blocks stored again soon after evicting them (events)
 
     @property
     def overlap_blocks(self) -> int:
