@@ -137,7 +137,8 @@ class PlacementScorer:
     prompt next to retrieval queries, 4 workers: every session on one worker, 3,617 blocks
     evicted there and none elsewhere, cached 0.61 against the ideal's 0.81, TTFT p90 over a
     second against round robin's 0.17). Moving costs the shared part once per worker it
-    moves to; after that the shared part is cached there too."""
+    moves to; after that the shared part is cached there too. Where it may move to is
+    judged by what that cache loses, not by its demand (`_loses_blocks`)."""
 
     name = "placement"
 
