@@ -86,6 +86,7 @@ class IngestCounters:
     unknown_parent: int = 0
     unknown_removed: int = 0
     evicted_at_bound: int = 0
+    refetched_blocks: int = 0  # GPU blocks stored again soon after the worker evicted them
 
 
 @dataclass(frozen=True)
@@ -311,13 +312,14 @@ class WorkerIngest:
         )
 
     def _count_refetched(self, batch: EventBatch) -> None:
-        assert self.refetched is not None
         for event in batch.events:  # GPU blocks only: one loaded back from CPU is no prefill
             if isinstance(event, BlockRemoved) and event.tier == DEFAULT_TIER:
                 self._evicted.evicted(event.engine_hashes)
             elif isinstance(event, BlockStored) and event.tier == DEFAULT_TIER:
                 if n := self._evicted.stored(event.engine_hashes):
-                    self.refetched.add(n)
+                    self.counters.refetched_blocks += n
+                    if self.refetched is not None:
+                        self.refetched.add(n)
             elif isinstance(event, AllBlocksCleared):
                 self._evicted.clear()  # a reset, not churn: what follows is cold
 
@@ -330,8 +332,7 @@ class WorkerIngest:
             if type(event) is BlockStored:
                 stored_seen = True
                 self._check_block_size(event.block_size)
-        if self.refetched is not None:
-            self._count_refetched(batch)
+        self._count_refetched(batch)
         res = self.index.apply(self.worker, batch)
         c = self.counters
         c.skipped_events += batch.skipped

@@ -269,6 +269,12 @@ class _PoolCollector(Collector):
                 ("restarts", "Engine restarts detected (sequence went back to the start)"),
                 ("out_of_order", "Batches with an old sequence number, dropped"),
                 ("unknown_parent", "BlockStored events whose parent was never seen"),
+                (
+                    "refetched_blocks",
+                    "GPU blocks a worker stored again soon after evicting them: its cache is "
+                    "losing what it is asked for again (rising: the prefixes routed to it do "
+                    "not fit its KV cache)",
+                ),
             )
         }
         malformed = CounterMetricFamily(

@@ -304,5 +304,6 @@ def test_blocks_stored_again_after_their_eviction_count_as_refetched() -> None:
     for seq, frame in enumerate(frames):
         assert ingest.on_live(seq, frame) is None
     assert refetched.value() == 1.0  # block 1 once (its second store was no refetch); 3 never left
+    assert ingest.counters.refetched_blocks == 1  # kvroute_kv_refetched_blocks
     clock.advance(60.0)
     assert refetched.value() == pytest.approx(0.5)  # decays like demand

@@ -228,6 +228,13 @@ def index_and_failures() -> list[Panel]:
             "Entries dropped at a worker's cap (num_gpu_blocks x index_cap_margin)",
         ),
         series(
+            "Blocks stored again after eviction",
+            [q(rate("kvroute_kv_refetched_blocks_total", "worker", W))],
+            "ops",
+            "GPU blocks a worker prefilled again soon after evicting them: its KV cache is "
+            "too small for the prefixes routed to it",
+        ),
+        series(
             "Streams cut",
             [q(rate("kvroute_stream_errors_total", "worker, cause", W))],
             "ops",
