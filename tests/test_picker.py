@@ -339,6 +339,19 @@ def test_a_session_moves_to_a_cache_that_stores_much_but_loses_nothing_it_needs(
     assert d.best.worker == ("w0" if losing else "w1"), d.best
 
 
+def test_at_equal_cost_the_worker_holding_most_keeps_the_prompt() -> None:
+    """w1 holds the system prompt too and loses blocks as w0's demand says it would: moving
+    costs what staying does, so no session moves, whatever its rendezvous hash prefers."""
+    c = _churning_w0()
+    store(c, "w1", session(0))
+    refetched = c.workers["w1"].refetched
+    assert refetched is not None
+    refetched.add(20)
+    for n in range(1, 13):
+        d = c.route(session(n), NS)
+        assert {s.raw["placement"] for s in d.ranked} == {1.0}, n
+
+
 @pytest.mark.parametrize(
     ("churning", "tail_blocks", "params", "stays"),
     [

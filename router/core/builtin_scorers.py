@@ -199,10 +199,11 @@ class PlacementScorer:
         if not self._churns(request, best):
             return None
 
-        def cost(c: Candidate) -> tuple[float, int]:
+        def cost(c: Candidate) -> tuple[float, bool, int]:
             tail = uncached_tokens(request.prompt_tokens, c.overlap_blocks, c.block_size)
             churns = self._churns(request, c) if c is best else _loses_blocks(request, c)
-            return tail * (1 + self.churn * churns), -rendezvous(request.key, c.name)
+            # a move must cost less: at equal cost the holder keeps it
+            return tail * (1 + self.churn * churns), c is not best, -rendezvous(request.key, c.name)
 
         winner = min([best, *self._free(cands)], key=cost)
         return None if winner is best else winner
