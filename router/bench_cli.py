@@ -6,7 +6,10 @@ import argparse
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.bench.workload_file import FileWorkload
 
 WORKLOAD_FILE_HELP = """\
 workload files (--workload-file F), one JSON object per line:
@@ -249,7 +252,7 @@ def _routing(args: argparse.Namespace) -> int:
     return 0
 
 
-def _workload_files(args: argparse.Namespace) -> dict[str, Any]:
+def _workload_files(args: argparse.Namespace) -> dict[str, FileWorkload]:
     """Every file checked before anything starts; a name must say which workload it is."""
     from router.bench.workload_file import WorkloadFileError, load
     from router.bench.workloads import GENERATORS
@@ -259,7 +262,7 @@ def _workload_files(args: argparse.Namespace) -> dict[str, Any]:
             "--driver vllm runs vLLM's prefix_repetition dataset only; "
             "a --workload-file runs with the bench's own client (leave --driver out)"
         )
-    files: dict[str, Any] = {}
+    files: dict[str, FileWorkload] = {}
     for path in args.workload_file:
         try:
             found = load(path)

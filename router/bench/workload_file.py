@@ -28,18 +28,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from engines.sim.make_tokenizer import MODEL_MAX_LENGTH
-from router.bench.workloads import BLOCK_SIZE, Request, Workload
+from router.bench.workloads import BLOCK_SIZE, Request, Workload, _shuffled
 from router.tokenize import PACKAGED_TOKENIZER, LocalTokenizer
 
 GROUP_TOKENS = 256  # an ungrouped request's group: the prompts sharing this many first tokens
 DEFAULT_KV_BLOCKS = 926
+DEFAULT_MAX_TOKENS = 16
 HEADER = {
     "workload": str,
     "workers": int,
@@ -74,8 +74,7 @@ class FileWorkload:
         """The workload of one run: the file's chains, in an order of the run's seed."""
         waves = [[list(chain) for chain in wave] for wave in self.waves]
         if self.shuffle:
-            for wave in waves:
-                random.Random(run_seed).shuffle(wave)
+            waves = [_shuffled(wave, run_seed) for wave in waves]
         w = Workload(
             self.name, self.workers, self.kv_blocks, self.concurrency, waves, self.block_size
         )
@@ -84,10 +83,6 @@ class FileWorkload:
         if self.max_model_len is not None:
             w.sim_args = ("--max-model-len", str(self.max_model_len))
         return w
-
-    @property
-    def requests(self) -> int:
-        return sum(len(chain) for wave in self.waves for chain in wave)
 
 
 def load(path: Path, tok: LocalTokenizer | None = None) -> FileWorkload:
@@ -213,13 +208,14 @@ def _request(path: Path, n: int, doc: dict[str, Any]) -> Request:
     _check_keys(path, n, doc, REQUEST, "request")
     if not doc["prompt"]:
         raise WorkloadFileError(f"{path}:{n}: 'prompt' is empty")
-    if doc.get("max_tokens", 16) < 1 or doc.get("wave", 0) < 0:
+    max_tokens = doc.get("max_tokens", DEFAULT_MAX_TOKENS)
+    if max_tokens < 1 or doc.get("wave", 0) < 0:
         raise WorkloadFileError(f"{path}:{n}: 'max_tokens' must be >= 1 and 'wave' >= 0")
     for key in ("group", "chain"):
         if key in doc and not doc[key]:
             raise WorkloadFileError(f"{path}:{n}: {key!r} is empty (leave it out instead)")
     group = doc.get("group") or doc.get("chain") or ""
-    return Request(doc["prompt"], group, doc.get("max_tokens", 16))
+    return Request(doc["prompt"], group, max_tokens)
 
 
 Numbered = tuple[int, int, str | None, Request]  # line, wave, chain, request
