@@ -297,6 +297,8 @@ def decision_doc(decision: Decision) -> dict[str, Any]:
                 "decode_blocks": s.decode_blocks,
                 "cached_blocks": s.cached_blocks,
                 "capacity_blocks": s.capacity_blocks,
+                "demand_blocks": round(s.demand_blocks, 1),
+                "refetched_blocks": None if s.refetched is None else round(s.refetched, 1),
                 "mode": s.mode,
                 "excluded": s.excluded,
                 "relaxed": s.relaxed,

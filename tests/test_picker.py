@@ -339,6 +339,24 @@ def test_a_session_moves_to_a_cache_that_stores_much_but_loses_nothing_it_needs(
     assert d.best.worker == ("w0" if losing else "w1"), d.best
 
 
+def test_a_session_that_moved_does_not_bounce_back_to_the_cache_it_left() -> None:
+    """A session moved off churning w0; its next turn finds w1 churning by demand as well.
+    w0 loses nothing by the refetch count either, but it holds part of the prompt, and a
+    cache holding part of a prompt is judged as its holder is: by demand, which is why the
+    session left it. Judged by refetches alone it went back, prefilling its own context
+    again, and on to w1 the turn after (agent-sessions, 5 seeds: sessions moved up to five
+    times, cached 0.759 against 0.798 without the bounce)."""
+    c = _churning_w0()
+    first = c.route(session(1), NS)
+    assert first.best.worker == "w1", first.best
+    store(c, "w1", session(1))
+    for s in range(14):
+        store(c, "w1", prompt(300 + s))  # w1's demand is past its size now too
+    d = c.route(session(1, 12), NS)
+    assert d.score_of("w1").overlap_blocks == 14 and d.score_of("w0").overlap_blocks == 8
+    assert d.best.worker == "w1", d.explain()
+
+
 def test_at_equal_cost_the_worker_holding_most_keeps_the_prompt() -> None:
     """w1 holds the system prompt too and loses blocks as w0's demand says it would: moving
     costs what staying does, so no session moves, whatever its rendezvous hash prefers."""

@@ -91,6 +91,10 @@ async def test_repeated_prefixes_stick_and_predictions_match_the_engine() -> Non
                 if w["worker"] == worker_of(first)
             )
             assert cached(again) > 0 and cached(again) // 16 == predicted
+        # the placement scorer's view of each cache: what it stored lately, what it lost
+        home = next(w for w in route.json()["workers"] if w["worker"] == worker_of(first))
+        assert home["demand_blocks"] >= predicted and home["refetched_blocks"] == 0
+        assert f"demand {home['demand_blocks']:.0f} blk, refetched 0" in route.json()["explain"]
         metrics = (await s.client.get("/metrics")).text
         assert 'kvroute_prediction_fidelity_total{result="exact"' in metrics
 

@@ -49,6 +49,8 @@ class WorkerScore:
     capacity_blocks: int | None
     mode: str
     excluded: str | None = None  # why it is not eligible (the filter's reason)
+    demand_blocks: float = 0.0  # blocks its cache stored lately, decayed (placement's demand)
+    refetched: float | None = None  # blocks it stored again soon after evicting them
     relaxed: str | None = None  # eligible only because a filter was relaxed, and which
 
 
@@ -99,5 +101,6 @@ def _line(s: WorkerScore) -> str:
         f"{s.worker}: total {s.total:.3f} = {terms or 'n/a'}; overlap "
         f"{s.overlap_blocks} blocks {s.overlap_by_tier}, load {s.requests} req / "
         f"{s.prefill_tokens} prefill tok / {s.decode_blocks:.0f} decode blk, cache "
-        f"{s.cached_blocks}/{s.capacity_blocks or '?'} blk ({s.mode}){note}"
+        f"{s.cached_blocks}/{s.capacity_blocks or '?'} blk, demand {s.demand_blocks:.0f} blk"
+        f"{'' if s.refetched is None else f', refetched {s.refetched:.0f}'} ({s.mode}){note}"
     )
