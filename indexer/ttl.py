@@ -110,6 +110,23 @@ def _index_by_until(w: _Worker, until: float, recs: list[_Record]) -> None:
         w.by_until.pop(until, None)
 
 
+def _give_up(same_tick: list[_Record], chain: tuple[int, ...]) -> list[_Record]:
+    """Records made in the same clock tick as a new one share its expiry, so `_cut` cannot
+    tell which of their blocks it took: they give them up here, and those left with blocks
+    are returned. Otherwise the older record, dropped at the cap, takes the blocks with it
+    and leaves the chain's tail held without its prefix, which `find_matches` bisects past
+    (found by the model test: a chain recorded, extended and recorded again in one tick, at
+    the cap). The blocks taken are a leading run of each record's, as in `_cut`."""
+    taken = set(chain)
+    for rec in same_tick:
+        owned = rec[1]
+        k = 0
+        while k < len(owned) and owned[k] in taken:
+            k += 1
+        rec[1] = owned[k:]
+    return [rec for rec in same_tick if rec[1]]
+
+
 class TtlIndex:
     """A prefix index whose entries expire, oldest first, on an injected clock, within a
     cap per worker and `max_entries` in all (past either, the oldest records go early)."""
@@ -165,7 +182,7 @@ class TtlIndex:
         if same_tick is None:
             w.by_until[until] = [record]
         else:
-            same_tick.append(record)
+            w.by_until[until] = [*_give_up(same_tick, chain), record]
         losers.discard(None)
         losers.discard(until)
         for old in losers:

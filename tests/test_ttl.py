@@ -3,7 +3,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from indexer import ttl as ttl_module
@@ -95,6 +95,8 @@ STEPS = st.lists(
 
 @settings(max_examples=300, deadline=None)
 @given(STEPS, st.integers(4, 40), st.integers(2, 12))
+# a chain recorded, extended and recorded again in one clock tick, at the cap
+@example([("record", "b", 1, 2), ("record", "b", 1, 3), ("record", "b", 1, 1)], 4, 2)
 def test_matches_a_dict_of_expiries(steps: list[tuple[Any, ...]], bound: int, cap: int) -> None:
     """Per (worker, block) the newest record's expiry; a record whose last block already
     lives within 1% of the TTL is skipped; a worker's oldest records dropped past its cap or
@@ -105,7 +107,8 @@ def test_matches_a_dict_of_expiries(steps: list[tuple[Any, ...]], bound: int, ca
     ttl.set_worker_cap("b", cap)
     caps = {"a": 1 << 16, "b": cap}
     live: dict[tuple[str, int], float] = {}
-    records: dict[str, list[tuple[float, list[int]]]] = {"a": [], "b": []}
+    # each record owns the blocks no later record refreshed
+    records: dict[str, list[tuple[float, set[int]]]] = {"a": [], "b": []}
     for step in steps:
         if step[0] == "advance":
             clock.advance(step[1])
@@ -117,14 +120,15 @@ def test_matches_a_dict_of_expiries(steps: list[tuple[Any, ...]], bound: int, ca
             if live.get((worker, hashes[-1]), -1.0) < until - 5 * 0.01:
                 live.update({(worker, h): until for h in hashes})
                 mine = records[worker]
-                mine.append((until, hashes))
+                for _, owned in mine:
+                    owned.difference_update(hashes)
+                mine.append((until, set(hashes)))
                 while len(mine) > 1 and (
                     sum(k[0] == worker for k in live) > caps[worker] or len(live) > bound
                 ):
-                    old, hs = mine.pop(0)
-                    for h in hs:
-                        if live.get((worker, h)) == old:
-                            del live[(worker, h)]
+                    _, owned = mine.pop(0)
+                    for h in owned:
+                        live.pop((worker, h), None)
         now = clock.now()
         for key in [k for k, v in live.items() if v <= now]:
             del live[key]
