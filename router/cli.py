@@ -9,8 +9,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 from collections.abc import Callable
+from types import FrameType
+
+# Commands that start engines and routers as child processes and stop them on the way out:
+# a SIGTERM (a CI step's timeout, `kill`) must take that way too, not leave the children
+# serving on their ports (`serve` and `fleet` drain on SIGTERM their own way).
+_STOP_CHILDREN_ON_SIGTERM = frozenset({"bench", "demo"})
 
 # (module, description) per top-level subcommand; each module defines register(subparsers).
 _COMMANDS: dict[str, tuple[str, str]] = {
@@ -75,8 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return 2
+    if args.command in _STOP_CHILDREN_ON_SIGTERM:
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     code: int = func(args)
     return code
+
+
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    """Unwind as Ctrl-C does, through every `with` that stops a child process."""
+    raise SystemExit(128 + signum)
 
 
 def _env_log_format() -> str:

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -296,3 +301,66 @@ def test_the_bench_fleet_publishes_on_vllms_default_topic() -> None:
         assert all(x["events_endpoint"] for x in fleet.workers)
     with start_fleet_process(2, fleet_args(w, 0, events=False)) as fleet:
         assert not any(x["events_endpoint"] for x in fleet.workers)
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process below `pid`, from /proc."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(d.name))
+    out: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_bench_stopped_with_sigterm_stops_its_fleet_and_routers(tmp_path: Path) -> None:
+    """A CI step's timeout or a `kill` sends SIGTERM: the bench must unwind as it does on
+    Ctrl-C and stop the engines and routers it started, not leave them on their ports
+    (they were left serving before the bench exited through its `with` blocks on it)."""
+    cmd = [sys.executable, "-m", "router.cli", "bench", "routing", "--workload", "seed"]
+    cmd += ["--routers", "kvroute", "--runs", "3", "--no-install", "--json", str(tmp_path / "r")]
+    bench = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    started: set[int] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while len(started) < 2:  # the fleet and the router
+            assert bench.poll() is None, "the bench ended before it started its children"
+            assert time.monotonic() < deadline, "the bench started no fleet and router"
+            started = _descendants(bench.pid)
+            time.sleep(0.2)
+        time.sleep(1.0)  # the router is serving
+        started = _descendants(bench.pid)
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=30) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 15
+        while (left := {p for p in started if _alive(p)}) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not left, f"children left running after SIGTERM: {sorted(left)}"
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+        for pid in started:  # what this test started, should it fail
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
