@@ -49,9 +49,9 @@ class WorkerScore:
     capacity_blocks: int | None
     mode: str
     excluded: str | None = None  # why it is not eligible (the filter's reason)
+    relaxed: str | None = None  # eligible only because a filter was relaxed, and which
     demand_blocks: float = 0.0  # blocks its cache stored lately, decayed (placement's demand)
     refetched: float | None = None  # blocks it stored again soon after evicting them
-    relaxed: str | None = None  # eligible only because a filter was relaxed, and which
 
 
 @dataclass(slots=True)  # built per request: a frozen init costs ~3x

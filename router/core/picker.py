@@ -162,10 +162,10 @@ class Picker:
             cached_blocks=c.cached_blocks,
             capacity_blocks=c.capacity_blocks,
             mode=c.mode,
-            demand_blocks=c.recent_blocks,
-            refetched=c.refetched,
             excluded=excluded,
             relaxed=relaxed,
+            demand_blocks=c.recent_blocks,
+            refetched=c.refetched,
         )
 
 
