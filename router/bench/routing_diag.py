@@ -180,8 +180,9 @@ def report(
     print(f"\nrun: cached {cached:.4f} (ideal {ideal_fraction(w):.4f}), errors {result.errors}")
     print(f"  groups homed per worker: {[per_worker.get(i, 0) for i in range(w.workers)]}")
     print(f"  groups split over >1 worker: {split} of {len(spread)}")
+    in_order = sorted(s, key=lambda x: x.sent)
     for group in sorted(g for g, v in spread.items() if len(v) > 1):
-        path = [x for x in sorted(s, key=lambda x: x.sent) if x.group == group]
+        path = [x for x in in_order if x.group == group]
         steps = " ".join(
             f"w{names.get(x.worker or '', -1)}:{x.cached_tokens / max(x.prompt_tokens, 1):.2f}"
             for x in path

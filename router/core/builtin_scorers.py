@@ -205,12 +205,7 @@ class PlacementScorer:
 
         def cost(c: Candidate) -> tuple[float, bool, int]:
             tail = uncached_tokens(request.prompt_tokens, c.overlap_blocks, c.block_size)
-            if c is best:
-                churns = self._churns(request, c)
-            else:
-                churns = _loses_blocks(request, c) or (
-                    c.overlap_blocks > 0 and self._churns(request, c)
-                )
+            churns = c is best or _loses_blocks(request, c)  # the holder churns, as found
             # a move must cost less: at equal cost the holder keeps it
             return tail * (1 + self.churn * churns), c is not best, -rendezvous(request.key, c.name)
 
@@ -254,10 +249,13 @@ def _loses_blocks(request: ScoreRequest, c: Candidate) -> bool:
     cache stores more than it holds (measured on agent-sessions: every cache's demand past
     its size within a second, none of them evicting, and a new session then stayed with the
     system prompt on the one cache that did). An approx-mode worker shows no evictions: its
-    demand decides."""
-    if c.refetched is None:
+    demand decides. So does it for a cache that holds part of the prompt, as for the holder
+    (`PlacementScorer`'s last paragraph): the prompt may have left it for that demand."""
+    if c.refetched is not None and c.refetched >= 1.0:
+        return True
+    if c.refetched is None or c.overlap_blocks > 0:
         return PlacementScorer._churns(request, c)
-    return c.refetched >= 1.0
+    return False
 
 
 def _running(c: Candidate) -> int:
