@@ -18,7 +18,7 @@ from engines.sim.fleet import start_fleet_process
 from router.bench import ideal, routing, workloads
 from router.bench.driver import Sample
 from router.bench.routing import fleet_args
-from router.bench.routing_diag import slow_tail
+from router.bench.routing_diag import _reason, slow_tail
 from router.bench.targets import with_config
 from router.bench.vllm_driver import command, row_from_result
 from router.tokenize import PACKAGED_TOKENIZER, LocalTokenizer
@@ -289,6 +289,22 @@ def test_the_diagnosis_tells_a_cold_start_tail_from_a_steady_one() -> None:
     late = [*steady, at(105.0, 400.0), at(106.0, 390.0), at(100.4, 380.0)]
     assert slow_tail(late) == (3, 1)
     assert slow_tail([]) == (0, 0)
+
+
+def test_the_diagnosis_names_the_filter_that_excluded_a_groups_home() -> None:
+    """routing_diag said "load bound" for every exclusion; on long-short-mix it was the
+    prefill-wait filter. And an explain whose winner is not where the request went predates
+    a change in the fleet: its terms do not explain the move."""
+    home = {"excluded": "prefill wait: 6566 tokens before the first > 2312", "overlap_blocks": 21}
+    assert _reason(home, {"overlap_blocks": 0}) == "home excluded (prefill wait)"
+    busy = {"excluded": "busy: 14 running+waiting >= busy_max_requests 12"}
+    assert _reason(busy, {}) == "home excluded (busy)"
+    held = {"overlap_blocks": 21}
+    assert _reason(held, {"overlap_blocks": 0}) == "load/headroom outweighed the overlap"
+    assert _reason(held, {"overlap_blocks": 21}) == "other worker had >= overlap"
+    assert _reason({"overlap_blocks": 0}, {}) == "router saw no overlap on home"
+    stale = _reason(home, {"overlap_blocks": 0}, stale=True)
+    assert stale == "the fleet changed between the explain and the request"
 
 
 def test_the_bench_fleet_publishes_on_vllms_default_topic() -> None:

@@ -139,19 +139,28 @@ def explain_splits(decisions: list[tuple[Request, dict[str, Any], Sample]]) -> N
             continue
         by = {x["worker"]: x for x in doc["workers"]}
         h, chosen = by.get(first, {}), by.get(worker, {})
-        why[_reason(h, chosen)] += 1
+        winner = doc.get("winner")
+        why[_reason(h, chosen, stale=winner != worker)] += 1
         if shown < 4:
             shown += 1
             print(f"  split {r.group}: home {first} -> {worker}, cached {sample.cached_tokens}")
+            if winner != worker:
+                print(f"    (this explain, from just before, ranked {winner} first)")
             print("    " + doc["explain"].replace("\n", "\n    "))
     print(f"  why requests left their group's first worker: {dict(why)}")
     print(f"  router belief vs engine truth (per worker x request): {dict(BELIEF)}")
     BELIEF.clear()
 
 
-def _reason(home: dict[str, Any], chosen: dict[str, Any]) -> str:
-    if home.get("excluded"):
-        return "home excluded (load bound)"
+def _reason(home: dict[str, Any], chosen: dict[str, Any], *, stale: bool = False) -> str:
+    """Why a request left its group's first worker, from the `/debug/route` answer asked
+    just before it was sent. `stale`: that answer's winner is not where the request went,
+    so the fleet changed in between (another request was placed meanwhile) and its terms do
+    not explain the move."""
+    if stale:
+        return "the fleet changed between the explain and the request"
+    if excluded := home.get("excluded"):
+        return f"home excluded ({str(excluded).split(':', 1)[0]})"  # the filter's own words
     if home.get("overlap_blocks", 0) == 0:
         return "router saw no overlap on home"
     if chosen.get("overlap_blocks", 0) >= home.get("overlap_blocks", 0):
