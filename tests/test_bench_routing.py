@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from proc_state import alive, descendants
 
 from engines.sim.fleet import start_fleet_process
 from router.bench import ideal, routing, workloads
@@ -319,35 +320,6 @@ def test_the_bench_fleet_publishes_on_vllms_default_topic() -> None:
         assert not any(x["events_endpoint"] for x in fleet.workers)
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every process below `pid`, from /proc."""
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(d.name))
-    out: set[int] = set()
-    todo = [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.add(child)
-            todo.append(child)
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_bench_stopped_with_sigterm_stops_its_fleet_and_routers(tmp_path: Path) -> None:
@@ -363,14 +335,14 @@ def test_a_bench_stopped_with_sigterm_stops_its_fleet_and_routers(tmp_path: Path
         while len(started) < 2:  # the fleet and the router
             assert bench.poll() is None, "the bench ended before it started its children"
             assert time.monotonic() < deadline, "the bench started no fleet and router"
-            started = _descendants(bench.pid)
+            started = descendants(bench.pid)
             time.sleep(0.2)
         time.sleep(1.0)  # the router is serving
-        started = _descendants(bench.pid)
+        started = descendants(bench.pid)
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(timeout=30) == 128 + signal.SIGTERM
         deadline = time.monotonic() + 15
-        while (left := {p for p in started if _alive(p)}) and time.monotonic() < deadline:
+        while (left := {p for p in started if alive(p)}) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not left, f"children left running after SIGTERM: {sorted(left)}"
     finally:
@@ -378,5 +350,5 @@ def test_a_bench_stopped_with_sigterm_stops_its_fleet_and_routers(tmp_path: Path
             bench.kill()
             bench.wait()
         for pid in started:  # what this test started, should it fail
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
