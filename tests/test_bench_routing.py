@@ -236,9 +236,41 @@ def test_paired_comparison_is_run_by_run_against_each_peer() -> None:
     assert d == {
         "cached_diff": 0.0,
         "ttft_p90_diff_ms": -2.0,
+        "ttft_p90_diff_interval_ms": [-2.0, 1.0],
+        "interval_confidence": 0.75,
+        "ttft_p90_verdict": "not told apart",  # one run of three went the other way
         "ttft_p90_lower_runs": 2,
         "runs": 3,
     }
+
+
+def test_the_paired_interval_is_the_sign_tests_and_tells_a_difference_from_noise() -> None:
+    # ten runs: the interval drops the lowest and highest difference (97.9%: 1 - 2 * 11/1024)
+    lo, hi, confidence = routing.median_interval([5, -9, 1, 2, 3, 4, 6, 7, 8, 30])
+    assert (lo, hi) == (1, 8)
+    assert confidence == pytest.approx(1 - 2 * 11 / 1024)
+    # thirteen: dropping three from each end still holds 90.8%, four would not
+    assert routing.median_interval(list(range(13)))[:2] == (3, 9)
+
+    def row(p90s: list[float]) -> dict[str, object]:
+        return {"ttft_p90_ms_runs": p90s, "cached_fraction_runs": [0.8] * len(p90s)}
+
+    peer = [100.0] * 10
+    faster = routing.paired(
+        {"kvroute": row([97.0 - i % 3 for i in range(10)]), "sglang-router-cache_aware": row(peer)},
+        with_config(None),
+    )["kvroute vs sglang-router-cache_aware"]
+    assert faster["ttft_p90_verdict"] == "lower"
+    mixed = routing.paired(
+        {"kvroute": row([95.0, 104.0] * 5), "sglang-router-cache_aware": row(peer)},
+        with_config(None),
+    )["kvroute vs sglang-router-cache_aware"]
+    assert mixed["ttft_p90_verdict"] == "not told apart"
+    slower = routing.paired(
+        {"kvroute": row([101.0 + i for i in range(10)]), "sglang-router-cache_aware": row(peer)},
+        with_config(None),
+    )["kvroute vs sglang-router-cache_aware"]
+    assert slower["ttft_p90_verdict"] == "higher"
 
 
 def test_routers_take_turns_run_by_run_and_a_failing_one_is_a_row(

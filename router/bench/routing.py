@@ -24,6 +24,9 @@ ROW: {"cached_fraction", "ttft_ms": {"p50", "p90", "p99", "mean"}, "itl_ms_p90",
       "router_ejections" (kvroute: workers ejected on failed health checks, all runs)}
 PAIR: "kvroute vs PEER" (and "kvroute-approx vs PEER"), run i of each on the same seed;
 DIFF: {"cached_diff", "ttft_p90_diff_ms" (medians of ours minus the peer's, per run),
+       "ttft_p90_diff_interval_ms" [lo, hi] and "interval_confidence" (where the median
+       difference lies, distribution-free: the sign test's interval), "ttft_p90_verdict"
+       ("lower", "higher", or "not told apart" when the interval holds 0),
        "ttft_p90_lower_runs" (runs where ours had the lower p90), "runs"}
 """
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import statistics
 import sys
@@ -162,13 +166,37 @@ def paired(routers: dict[str, Any], targets: dict[str, Target]) -> dict[str, Any
                 continue
             runs = list(zip(a["ttft_p90_ms_runs"], b["ttft_p90_ms_runs"], strict=True))
             cached = zip(a["cached_fraction_runs"], b["cached_fraction_runs"], strict=True)
+            ttft = [x - y for x, y in runs]
+            lo, hi, confidence = median_interval(ttft)
             out[f"{ours} vs {name}"] = {
                 "cached_diff": round(statistics.median(x - y for x, y in cached), 4),
-                "ttft_p90_diff_ms": round(statistics.median(x - y for x, y in runs), 1),
+                "ttft_p90_diff_ms": round(statistics.median(ttft), 1),
+                "ttft_p90_diff_interval_ms": [round(lo, 1), round(hi, 1)],
+                "interval_confidence": round(confidence, 3),
+                "ttft_p90_verdict": "lower" if hi < 0 else "higher" if lo > 0 else "not told apart",
                 "ttft_p90_lower_runs": sum(1 for x, y in runs if x < y),
                 "runs": len(runs),
             }
     return out
+
+
+def median_interval(values: Sequence[float], want: float = 0.9) -> tuple[float, float, float]:
+    """An interval that holds the median of the distribution `values` were drawn from, with
+    the confidence it has: the narrowest pair of order statistics x(k), x(n+1-k) whose
+    confidence, 1 - 2 P(Binomial(n, 1/2) < k), is at least `want` (the sign test's interval:
+    it assumes nothing of the shape, which a p90 of one run does not let us assume). Under
+    five values no pair reaches 90%; the widest one is returned with what it does reach
+    (three: 75%)."""
+    xs = sorted(values)
+    n = len(xs)
+
+    def confidence(k: int) -> float:
+        return 1 - 2 * sum(math.comb(n, j) for j in range(k)) * 0.5**n
+
+    k = 1
+    while 2 * (k + 1) <= n + 1 and confidence(k + 1) >= want:
+        k += 1
+    return xs[k - 1], xs[n - k], confidence(k)
 
 
 # a router that fails to start or dies is a row that says so, not a lost table
@@ -391,10 +419,12 @@ def print_table(report: dict[str, Any]) -> None:
         for router, row in wl["routers"].items():
             print(_line(router, row))
         for pair, d in wl.get("paired", {}).items():
+            lo, hi = d["ttft_p90_diff_interval_ms"]
             print(
                 f"  {pair}, paired by seed: cached {d['cached_diff']:+.4f}, TTFT p90 "
                 f"{d['ttft_p90_diff_ms']:+.1f} ms (lower in {d['ttft_p90_lower_runs']} of "
-                f"{d['runs']} runs)"
+                f"{d['runs']} runs; {d['interval_confidence']:.0%} interval {lo:+.1f} to "
+                f"{hi:+.1f} ms: {d['ttft_p90_verdict']})"
             )
     for name, pair in report["replicas"].items():
         print(f"\nreplicas: {name}\n{head}")
