@@ -235,6 +235,7 @@ def test_paired_comparison_is_run_by_run_against_each_peer() -> None:
     d = out["kvroute vs sglang-router-cache_aware"]
     assert d == {
         "cached_diff": 0.0,
+        "cached_diff_interval": [0.0, 0.01],
         "ttft_p90_diff_ms": -2.0,
         "ttft_p90_diff_interval_ms": [-2.0, 1.0],
         "interval_confidence": 0.75,
@@ -244,7 +245,9 @@ def test_paired_comparison_is_run_by_run_against_each_peer() -> None:
     }
 
 
-def test_the_paired_interval_is_the_sign_tests_and_tells_a_difference_from_noise() -> None:
+def test_the_paired_interval_is_the_sign_tests_and_tells_a_difference_from_noise(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     # ten runs: the interval drops the lowest and highest difference (97.9%: 1 - 2 * 11/1024)
     lo, hi, confidence = routing.median_interval([5, -9, 1, 2, 3, 4, 6, 7, 8, 30])
     assert (lo, hi) == (1, 8)
@@ -271,6 +274,13 @@ def test_the_paired_interval_is_the_sign_tests_and_tells_a_difference_from_noise
         with_config(None),
     )["kvroute vs sglang-router-cache_aware"]
     assert slower["ttft_p90_verdict"] == "higher"
+    pairs = {"kvroute vs sglang-router-cache_aware": slower}
+    routing.print_table(
+        {"workloads": {"w": {"ideal": 0.8, "routers": {}, "paired": pairs}}, "replicas": {}}
+    )
+    assert (
+        "TTFT p90 +5.5 ms (+2.0 to +9.0: higher; lower in 0 of 10 runs)" in capsys.readouterr().out
+    )
 
 
 def test_routers_take_turns_run_by_run_and_a_failing_one_is_a_row(

@@ -24,8 +24,9 @@ ROW: {"cached_fraction", "ttft_ms": {"p50", "p90", "p99", "mean"}, "itl_ms_p90",
       "router_ejections" (kvroute: workers ejected on failed health checks, all runs)}
 PAIR: "kvroute vs PEER" (and "kvroute-approx vs PEER"), run i of each on the same seed;
 DIFF: {"cached_diff", "ttft_p90_diff_ms" (medians of ours minus the peer's, per run),
-       "ttft_p90_diff_interval_ms" [lo, hi] and "interval_confidence" (where the median
-       difference lies, distribution-free: the sign test's interval), "ttft_p90_verdict"
+       "cached_diff_interval" and "ttft_p90_diff_interval_ms" [lo, hi], with their
+       "interval_confidence" (where the median difference lies, distribution-free: the sign
+       test's interval), "ttft_p90_verdict"
        ("lower", "higher", or "not told apart" when the interval holds 0),
        "ttft_p90_lower_runs" (runs where ours had the lower p90), "runs"}
 """
@@ -166,10 +167,12 @@ def paired(routers: dict[str, Any], targets: dict[str, Target]) -> dict[str, Any
                 continue
             runs = list(zip(a["ttft_p90_ms_runs"], b["ttft_p90_ms_runs"], strict=True))
             cached = zip(a["cached_fraction_runs"], b["cached_fraction_runs"], strict=True)
+            more = [x - y for x, y in cached]
             ttft = [x - y for x, y in runs]
             lo, hi, confidence = median_interval(ttft)
             out[f"{ours} vs {name}"] = {
-                "cached_diff": round(statistics.median(x - y for x, y in cached), 4),
+                "cached_diff": round(statistics.median(more), 4),
+                "cached_diff_interval": [round(x, 4) for x in median_interval(more)[:2]],
                 "ttft_p90_diff_ms": round(statistics.median(ttft), 1),
                 "ttft_p90_diff_interval_ms": [round(lo, 1), round(hi, 1)],
                 "interval_confidence": round(confidence, 3),
@@ -420,11 +423,12 @@ def print_table(report: dict[str, Any]) -> None:
             print(_line(router, row))
         for pair, d in wl.get("paired", {}).items():
             lo, hi = d["ttft_p90_diff_interval_ms"]
+            clo, chi = d["cached_diff_interval"]
             print(
-                f"  {pair}, paired by seed: cached {d['cached_diff']:+.4f}, TTFT p90 "
-                f"{d['ttft_p90_diff_ms']:+.1f} ms (lower in {d['ttft_p90_lower_runs']} of "
-                f"{d['runs']} runs; {d['interval_confidence']:.0%} interval {lo:+.1f} to "
-                f"{hi:+.1f} ms: {d['ttft_p90_verdict']})"
+                f"  {pair}, paired by seed ({d['interval_confidence']:.0%} intervals): cached "
+                f"{d['cached_diff']:+.4f} ({clo:+.4f} to {chi:+.4f}), TTFT p90 "
+                f"{d['ttft_p90_diff_ms']:+.1f} ms ({lo:+.1f} to {hi:+.1f}: "
+                f"{d['ttft_p90_verdict']}; lower in {d['ttft_p90_lower_runs']} of {d['runs']} runs)"
             )
     for name, pair in report["replicas"].items():
         print(f"\nreplicas: {name}\n{head}")
