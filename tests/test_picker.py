@@ -221,6 +221,45 @@ def test_siblings_of_a_prefix_still_prefilling_stay_with_it() -> None:
     assert d.best.worker == "w0" and not d.excluded, d
 
 
+def _first_wave(c: Core) -> tuple[Core, Ticket]:
+    """The first moment of a cold fleet: w0 prefills a new prefix and has a sibling of it
+    waiting (its overlap is only predicted); w1 prefills two other new prefixes."""
+    c.commit(c.route(prompt(1), NS), "w0")
+    sibling = c.commit(c.route([*prompt(1), 7, 7, 7, 7], NS), "w0")
+    for s in (20, 21):
+        c.commit(c.route(prompt(s), NS), "w1")
+    return c, sibling
+
+
+def test_a_new_prefix_avoids_the_worker_whose_requests_wait_on_a_prefill_in_progress() -> None:
+    """Both workers run two requests; w0 has the less prefill queued, since its sibling
+    computes only its tail. But the sibling waits for its prefix's prefill and runs in w0's
+    next step, which a new prefix's prefill would join and lengthen (on hot-prefix, 10-11
+    siblings answered ~90 ms late when that happened): it counts twice, and w1 takes the
+    new prefix. Once the sibling has its first token it no longer rides."""
+    c, sibling = _first_wave(core())
+    assert sibling.rides and c.load.view("w0").riders == 1 and c.load.view("w1").riders == 0
+    assert c.load.view("w0").prefill_tokens < c.load.view("w1").prefill_tokens
+    d = c.route(prompt(99), NS)
+    assert d.best.worker == "w1" and d.best.raw["placement"] == 1.0, d.best
+    c.load.first_token(sibling)
+    assert c.load.view("w0").riders == 0
+    assert c.route(prompt(99), NS).best.worker == "w0"  # w0's next step holds nobody now
+
+
+def test_a_request_on_a_prefix_the_events_show_stored_does_not_ride() -> None:
+    c = core()
+    store(c, "w0", prompt(1))
+    t = c.commit(c.route([*prompt(1), 7, 7, 7, 7], NS), "w0")
+    assert not t.rides and c.load.view("w0").riders == 0
+    gone = c.commit(c.route([*prompt(2), 7], NS), "w1")  # nothing cached: nothing to ride
+    assert not gone.rides
+    rider = c.commit(c.route([*prompt(2), 8], NS), "w1")
+    assert rider.rides and c.load.view("w1").riders == 1
+    c.load.finish(rider)  # ended before its first token (a client hung up)
+    assert c.load.view("w1").riders == 0
+
+
 def test_replicas_place_new_prefixes_by_demand_alone() -> None:
     """Replicas see each other's in-flight load only milliseconds late, so with peers the
     cost-while-roomy choice is off unless configured: the hot worker takes the prefix."""

@@ -26,6 +26,9 @@ class LoadView:
     kv_usage: float | None = None  # the engine's own gauge, 0..1, if scraped
     # in flight on the worker (this router's and its peers'), time-averaged over ~BUSY_TAU_S
     busy: float = 0.0
+    # this router's requests there before their first token whose cached part another
+    # request is still prefilling (`Ticket.rides`): the engine runs them in its next step
+    riders: int = 0
 
 
 @dataclass
@@ -36,6 +39,7 @@ class Ticket:
     first_token_seen: bool = False
     done: bool = False
     expects_events: bool = False  # the engine should publish new blocks for this request
+    rides: bool = False  # part of its cached prefix was only predicted at the pick
 
 
 @dataclass
@@ -43,6 +47,7 @@ class _Local:
     requests: int = 0
     prefill_tokens: int = 0
     decode_blocks: int = 0
+    riders: int = 0
 
 
 @dataclass
@@ -97,15 +102,17 @@ class LoadTracker:
     on_change: Callable[[str], None] | None = None
     clock: Clock = field(default_factory=MonotonicClock)
 
-    def start(self, worker: str, uncached_tokens: int, blocks: int) -> Ticket:
-        """Count a request at the moment it is routed."""
+    def start(self, worker: str, uncached_tokens: int, blocks: int, rides: bool = False) -> Ticket:
+        """Count a request at the moment it is routed. `rides`: part of its cached prefix is
+        only predicted, from a request that may still be prefilling it."""
         local = self._local.setdefault(worker, _Local())
         local.requests += 1
         local.prefill_tokens += uncached_tokens
+        local.riders += rides
         self._counted(worker)
         if self.on_change is not None:
             self.on_change(worker)
-        return Ticket(worker, uncached_tokens, blocks)
+        return Ticket(worker, uncached_tokens, blocks, rides=rides)
 
     def first_token(self, t: Ticket) -> None:
         if t.first_token_seen or t.done:
@@ -113,6 +120,7 @@ class LoadTracker:
         t.first_token_seen = True
         local = self._local[t.worker]
         local.prefill_tokens -= t.prefill_tokens
+        local.riders -= t.rides
         local.decode_blocks += t.blocks
         if self.on_change is not None:
             self.on_change(t.worker)
@@ -125,6 +133,7 @@ class LoadTracker:
             local.decode_blocks -= t.blocks
         else:
             local.prefill_tokens -= t.prefill_tokens
+            local.riders -= t.rides
         local.requests -= 1
         t.done = True
         self._counted(t.worker)
@@ -188,15 +197,20 @@ class LoadTracker:
         known = self.known(worker)
         b = self._busy.get(worker)
         busy = b.busy_at(self.clock.now()) if b is not None else 0.0
+        local = self._local.get(worker)
+        riders = local.riders if local is not None else 0
         s = self._scraped.get(worker)
         if s is None:
-            return LoadView(known.requests, known.prefill_tokens, known.decode_blocks, None, busy)
+            return LoadView(
+                known.requests, known.prefill_tokens, known.decode_blocks, None, busy, riders
+            )
         return LoadView(
             known.requests + round(s.others_requests),
             known.prefill_tokens,
             known.decode_blocks + s.others_blocks,
             s.kv_usage,
             busy,
+            riders,
         )
 
     def forget(self, worker: str) -> None:

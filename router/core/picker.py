@@ -63,12 +63,16 @@ class Picker:
         state = self.fleet.workers[worker]
         s = decision.score_of(worker)
         hashes = decision.hashes.get(state.block_size, [])
-        expects = False
+        expects = rides = False
         if state.mode == EVENTS:
             self.fleet.predictions.record(worker, hashes)
+            found = self.fleet.index.find_matches(hashes).get(worker)
+            stored = found.blocks if found else 0
+            # the events do not show all of the overlap yet: the blocks past them are the
+            # prediction of a request sent a moment ago, perhaps still prefilling them
+            rides = s.overlap_blocks > stored
             if state.health is not None:
-                known = self.fleet.index.find_matches(hashes).get(worker)
-                expects = len(hashes) > (known.blocks if known else 0)
+                expects = len(hashes) > stored
                 state.health.note_request(expects)
         else:
             self.fleet.approx.record(worker, hashes)
@@ -77,7 +81,7 @@ class Picker:
             self.fleet.note_new_prefix(worker, len(hashes))
         uncached = uncached_tokens(decision.prompt_tokens, s.overlap_blocks, state.block_size)
         blocks = math.ceil(decision.prompt_tokens / state.block_size) + extra_blocks
-        ticket = self.fleet.load.start(worker, uncached, blocks)
+        ticket = self.fleet.load.start(worker, uncached, blocks, rides)
         ticket.expects_events = expects
         return ticket
 
