@@ -294,6 +294,7 @@ def decision_doc(decision: Decision) -> dict[str, Any]:
                 "block_size": s.block_size,
                 "requests_in_flight": s.requests,
                 "prefill_tokens_in_flight": s.prefill_tokens,
+                "riders_in_flight": s.riders,
                 "decode_blocks": s.decode_blocks,
                 "cached_blocks": s.cached_blocks,
                 "capacity_blocks": s.capacity_blocks,

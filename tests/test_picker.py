@@ -242,6 +242,7 @@ def test_a_new_prefix_avoids_the_worker_whose_requests_wait_on_a_prefill_in_prog
     assert c.load.view("w0").prefill_tokens < c.load.view("w1").prefill_tokens
     d = c.route(prompt(99), NS)
     assert d.best.worker == "w1" and d.best.raw["placement"] == 1.0, d.best
+    assert d.score_of("w0").riders == 1 and "prefill tok (1 riding)" in d.explain()
     c.load.first_token(sibling)
     assert c.load.view("w0").riders == 0
     assert c.route(prompt(99), NS).best.worker == "w0"  # w0's next step holds nobody now

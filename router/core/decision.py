@@ -52,6 +52,7 @@ class WorkerScore:
     relaxed: str | None = None  # eligible only because a filter was relaxed, and which
     demand_blocks: float = 0.0  # blocks its cache stored lately, decayed (placement's demand)
     refetched: float | None = None  # blocks it stored again soon after evicting them
+    riders: int = 0  # requests waiting on a prefill in progress there (placement's cost)
 
 
 @dataclass(slots=True)  # built per request: a frozen init costs ~3x
@@ -100,7 +101,8 @@ def _line(s: WorkerScore) -> str:
     return (
         f"{s.worker}: total {s.total:.3f} = {terms or 'n/a'}; overlap "
         f"{s.overlap_blocks} blocks {s.overlap_by_tier}, load {s.requests} req / "
-        f"{s.prefill_tokens} prefill tok / {s.decode_blocks:.0f} decode blk, cache "
+        f"{s.prefill_tokens} prefill tok{f' ({s.riders} riding)' if s.riders else ''} / "
+        f"{s.decode_blocks:.0f} decode blk, cache "
         f"{s.cached_blocks}/{s.capacity_blocks or '?'} blk, demand {s.demand_blocks:.0f} blk"
         f"{'' if s.refetched is None else f', refetched {s.refetched:.0f}'} ({s.mode}){note}"
     )

@@ -162,6 +162,7 @@ class Picker:
             block_size=c.block_size,
             requests=c.load.requests,
             prefill_tokens=c.load.prefill_tokens,
+            riders=c.load.riders,
             decode_blocks=c.load.decode_blocks,
             cached_blocks=c.cached_blocks,
             capacity_blocks=c.capacity_blocks,
