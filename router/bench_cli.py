@@ -129,6 +129,16 @@ def _register_routing(bsub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     rt.add_argument("--config", type=Path, help="kvroute.yaml for kvroute's own routers")
     rt.add_argument("--no-install", action="store_true", help="never pip-install the peers")
+    rt.add_argument(
+        "--router-nice",
+        type=int,
+        default=0,
+        choices=range(20),
+        metavar="N",
+        help="run every router under test (kvroute's and the peers') at CPU niceness N, so "
+        "that where the simulated engines share the router's cores a router's own CPU work "
+        "does not delay their steps (10 gives the engines the cores first; default 0)",
+    )
     rt.set_defaults(func=_routing)
 
 
@@ -239,6 +249,7 @@ def _routing(args: argparse.Namespace) -> int:
         config=args.config,
         install_peers=not args.no_install,
         files=files,
+        router_nice=args.router_nice,
     )
     if args.replicas is not None:
         known = {*GENERATORS, *files}

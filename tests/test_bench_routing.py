@@ -394,3 +394,44 @@ def test_a_bench_stopped_with_sigterm_stops_its_fleet_and_routers(tmp_path: Path
         for pid in started:  # what this test started, should it fail
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _nice_of_threads(pid: int) -> set[int]:
+    """The niceness of every thread of `pid` (/proc stat's 19th field)."""
+    out = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        out.add(int(fields[16]))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_router_nice_lowers_every_router_thread_and_leaves_the_engines_alone() -> None:
+    """`--router-nice`: every thread of the router under test (kvroute's tokenizer threads
+    included) runs at the niceness asked for, the simulated engines at the bench's own, so
+    the engines' steps come first on shared cores."""
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    want = min(own + 5, 19)
+    w = workloads.build("seed", 0, scale=0.1)
+    seen: dict[str, set[int]] = {}
+
+    def look(w, urls, workers, oracle):  # type: ignore[no-untyped-def]
+        me = os.getpid()
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == me:
+                    cmd = (stat.parent / "cmdline").read_text()
+                    seen[cmd] = _nice_of_threads(int(stat.parent.name))
+            except OSError:
+                continue
+        return {}
+
+    routing.one_run(w, with_config(None)["kvroute"], 0, look, router_nice=want)
+    routers = {c: n for c, n in seen.items() if "serve" in c}
+    engines = {c: n for c, n in seen.items() if "serve" not in c}
+    assert routers and engines, seen
+    for cmd, nices in routers.items():
+        assert nices == {want}, (cmd, nices)
+    for cmd, nices in engines.items():
+        assert nices == {own}, (cmd, nices)

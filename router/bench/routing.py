@@ -12,7 +12,8 @@ the request order, the simulator and the random policy. The capacity-aware ideal
 (router.bench.ideal) is computed for the same orders.
 
 JSON: {"workloads": {NAME: {"ideal": F, "routers": {ROUTER: ROW}, "paired": {PAIR: DIFF}}},
-       "replicas": {NAME: {"one": ROW, "two": ROW}}}
+       "replicas": {NAME: {"one": ROW, "two": ROW}}, "runs": N, "driver": "own"|"vllm",
+       "router_nice": N (`--router-nice`: the routers' CPU niceness, 0 when not set)}
 ROW: {"cached_fraction", "ttft_ms": {"p50", "p90", "p99", "mean"}, "itl_ms_p90",
       "requests_per_worker": [...], "max_min_load", "prefill_tokens_per_worker": [...] and
       "max_min_prefill" (prompt tokens each engine computed: its prefix-cache queries less
@@ -34,13 +35,14 @@ DIFF: {"cached_diff", "ttft_p90_diff_ms" (medians of ours minus the peer's, per 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,6 +76,7 @@ class Plan:
     config: Path | None = None
     install_peers: bool = True
     files: Mapping[str, FileWorkload] = field(default_factory=dict)  # workload files by name
+    router_nice: int = 0  # every router under test runs at this CPU niceness (0..19)
 
     def build(self, name: str, seed: int) -> Workload:
         """Run `seed` of a built-in workload (at `scale`) or of a workload file (as written)."""
@@ -107,6 +110,7 @@ def run(plan: Plan, json_path: Path | None = None, plot_path: Path | None = None
     installed = peers.ensure_peers(needed, install=plan.install_peers)
     report: dict[str, Any] = {"workloads": {}, "replicas": {}, "runs": plan.runs}
     report["driver"] = plan.driver
+    report["router_nice"] = plan.router_nice
     for name in plan.workloads:
         report["workloads"][name] = _workload(plan, name, targets, installed)
         _write(report, json_path, None, quiet=True)  # a long run keeps what it measured
@@ -237,7 +241,7 @@ def measure(plan: Plan, loads: list[Workload], router: str, target: Target) -> d
 def _logged_run(plan: Plan, w: Workload, seed: int, router: str, target: Target) -> dict[str, Any]:
     drive_fn = _drive_vllm if plan.driver == "vllm" else _drive_own
     t0 = time.monotonic()
-    row = one_run(w, target, seed, drive_fn)
+    row = one_run(w, target, seed, drive_fn, plan.router_nice)
     print(
         f"  {w.name} / {router} run {seed + 1}/{plan.runs}: cached "
         f"{row['cached_fraction']:.3f}, {time.monotonic() - t0:.0f} s",
@@ -260,11 +264,15 @@ def fleet_args(w: Workload, seed: int, events: bool = True) -> list[str]:
     return args
 
 
-def one_run(w: Workload, target: Target, seed: int, drive_fn: Drive) -> dict[str, Any]:
+def one_run(
+    w: Workload, target: Target, seed: int, drive_fn: Drive, router_nice: int = 0
+) -> dict[str, Any]:
     args = fleet_args(w, seed, target.events)
     with start_fleet_process(w.workers, args) as fleet:
         workers = fleet.workers
         with target.launch(workers, seed) as urls:
+            if router_nice:
+                renice_children(router_nice, exclude=fleet.pid)
             before = children_cpu_s(exclude=fleet.pid)
             row = drive_fn(w, urls, workers, target.oracle)
             row["router_cpu_s"] = children_cpu_s(exclude=fleet.pid) - before
@@ -273,11 +281,10 @@ def one_run(w: Workload, target: Target, seed: int, drive_fn: Drive) -> dict[str
     return row
 
 
-def children_cpu_s(exclude: int) -> float:
-    """CPU seconds (user + system) of this process's children but `exclude`: the router(s)
-    under test. Linux /proc; 0 elsewhere."""
-    me, total = os.getpid(), 0.0
-    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+def _children(exclude: int) -> Iterator[tuple[int, list[str]]]:
+    """This process's children but `exclude` (the fleet): the router(s) under test, with
+    their /proc stat fields after the command name. Linux /proc; none elsewhere."""
+    me = os.getpid()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
@@ -285,8 +292,32 @@ def children_cpu_s(exclude: int) -> float:
             continue
         pid = int(stat.parent.name)
         if int(fields[1]) == me and pid != exclude:
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+            yield pid, fields
+
+
+def children_cpu_s(exclude: int) -> float:
+    """CPU seconds (user + system) of the routers under test (`_children`)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    return sum((int(f[11]) + int(f[12])) / tick for _, f in _children(exclude))
+
+
+def renice_children(nice: int, exclude: int) -> list[int]:
+    """Lower the CPU priority of every thread of the routers under test (`_children`).
+    On a machine where the simulated engines share the router's cores, a router's own CPU
+    work delays the engines' steps, which on a real fleet run on their own hardware: at
+    nice 10 the engines come first, and each router's CPU cost stays in its own latency,
+    not the engines'. Returns the processes reniced."""
+    done = []
+    for pid, _ in _children(exclude):
+        try:
+            tasks = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+        except OSError:  # it ended meanwhile
+            continue
+        for task in tasks:
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.setpriority(os.PRIO_PROCESS, task, nice)
+        done.append(pid)
+    return done
 
 
 def _drive_own(
