@@ -3,6 +3,7 @@ routers on loopback), its JSON shape, and the pure pieces (ideal, vLLM driver fl
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -416,15 +417,9 @@ def test_router_nice_lowers_every_router_thread_and_leaves_the_engines_alone() -
     seen: dict[str, set[int]] = {}
 
     def look(w, urls, workers, oracle):  # type: ignore[no-untyped-def]
-        me = os.getpid()
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-                if int(fields[1]) == me:
-                    cmd = (stat.parent / "cmdline").read_text()
-                    seen[cmd] = _nice_of_threads(int(stat.parent.name))
-            except OSError:
-                continue
+        for pid in descendants(os.getpid()):
+            with contextlib.suppress(OSError):
+                seen[Path(f"/proc/{pid}/cmdline").read_text()] = _nice_of_threads(pid)
         return {}
 
     routing.one_run(w, with_config(None)["kvroute"], 0, look, router_nice=want)

@@ -301,13 +301,12 @@ def children_cpu_s(exclude: int) -> float:
     return sum((int(f[11]) + int(f[12])) / tick for _, f in _children(exclude))
 
 
-def renice_children(nice: int, exclude: int) -> list[int]:
+def renice_children(nice: int, exclude: int) -> None:
     """Lower the CPU priority of every thread of the routers under test (`_children`).
     On a machine where the simulated engines share the router's cores, a router's own CPU
     work delays the engines' steps, which on a real fleet run on their own hardware: at
     nice 10 the engines come first, and each router's CPU cost stays in its own latency,
-    not the engines'. Returns the processes reniced."""
-    done = []
+    not the engines'."""
     for pid, _ in _children(exclude):
         try:
             tasks = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
@@ -316,8 +315,6 @@ def renice_children(nice: int, exclude: int) -> list[int]:
         for task in tasks:
             with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
                 os.setpriority(os.PRIO_PROCESS, task, nice)
-        done.append(pid)
-    return done
 
 
 def _drive_own(
