@@ -5,6 +5,7 @@ tokenizer helper outlives the suite on any exit path."""
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import os
 import signal
@@ -21,18 +22,28 @@ _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 _CHILDREN: set[subprocess.Popen[bytes]] = set()  # started by spawn(), not yet stopped
 
 
+_GIVEN: collections.deque[int] = collections.deque(maxlen=1024)  # ports handed out lately
+
+
 def free_port() -> int:
-    """A port free at this instant (callers retry when they lose the race)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port free at this instant, and not one this process handed out lately.
+    A port is free again once its probe socket closes, so without the memory two calls a
+    moment apart can name the same port before either child binds it: measured in the
+    routing bench, a replica's HTTP port came back equal to its own placement link's, and
+    the server then failed to bind. Another process can still take a port first; callers
+    that must not fail retry."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _GIVEN:
+            _GIVEN.append(port)
+            return port
 
 
 def free_ports(n: int) -> tuple[int, ...]:
-    while True:
-        ports = tuple(free_port() for _ in range(n))
-        if len(set(ports)) == n:
-            return ports
+    """`n` distinct free ports (`free_port`)."""
+    return tuple(free_port() for _ in range(n))
 
 
 def spawn(

@@ -76,6 +76,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _register_routing(bsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from router.bench.routing import ROUTER_NICE
     from router.bench.targets import TARGETS
     from router.bench.workloads import GENERATORS
 
@@ -132,12 +133,14 @@ def _register_routing(bsub: argparse._SubParsersAction[argparse.ArgumentParser])
     rt.add_argument(
         "--router-nice",
         type=int,
-        default=0,
+        default=ROUTER_NICE,
         choices=range(20),
         metavar="N",
-        help="run every router under test (kvroute's and the peers') at CPU niceness N, so "
-        "that where the simulated engines share the router's cores a router's own CPU work "
-        "does not delay their steps (10 gives the engines the cores first; default 0)",
+        help="run every router under test (kvroute's and the peers') N steps of CPU "
+        "niceness below the bench and its simulated engines (as `nice -n N`), so that where "
+        "the engines share the router's cores a router's own CPU work does not delay their "
+        "steps; each router's CPU cost still shows in its latency "
+        f"(default {ROUTER_NICE}: the engines get the cores first; 0: the same priority)",
     )
     rt.set_defaults(func=_routing)
 

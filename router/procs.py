@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -18,15 +17,9 @@ from typing import Any, Self
 
 import httpx
 
+from conformance.procs import free_port as free_port  # the one port picker, re-exported
 from engines.sim.fleet import FleetProcess as _SimFleet
 from engines.sim.fleet import drop_scratch, scratch_dir, start_fleet_process, stop_process
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class _Stoppable:

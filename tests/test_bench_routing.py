@@ -412,7 +412,7 @@ def test_router_nice_lowers_every_router_thread_and_leaves_the_engines_alone() -
     included) runs at the niceness asked for, the simulated engines at the bench's own, so
     the engines' steps come first on shared cores."""
     own = os.getpriority(os.PRIO_PROCESS, 0)
-    want = min(own + 5, 19)
+    want = min(own + 5, 19)  # five steps below the bench's own, as `nice -n 5`
     w = workloads.build("seed", 0, scale=0.1)
     seen: dict[str, set[int]] = {}
 
@@ -422,7 +422,7 @@ def test_router_nice_lowers_every_router_thread_and_leaves_the_engines_alone() -
                 seen[Path(f"/proc/{pid}/cmdline").read_text()] = _nice_of_threads(pid)
         return {}
 
-    routing.one_run(w, with_config(None)["kvroute"], 0, look, router_nice=want)
+    routing.one_run(w, with_config(None)["kvroute"], 0, look, router_nice=5)
     routers = {c: n for c, n in seen.items() if "serve" in c}
     engines = {c: n for c, n in seen.items() if "serve" not in c}
     assert routers and engines, seen
