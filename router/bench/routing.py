@@ -273,7 +273,7 @@ def fleet_args(w: Workload, seed: int, events: bool = True) -> list[str]:
 
 
 def one_run(
-    w: Workload, target: Target, seed: int, drive_fn: Drive, router_nice: int = 0
+    w: Workload, target: Target, seed: int, drive_fn: Drive, router_nice: int
 ) -> dict[str, Any]:
     args = fleet_args(w, seed, target.events)
     with start_fleet_process(w.workers, args) as fleet:
