@@ -32,8 +32,10 @@ Wire: a placements message is b"placements", then two frames per placement: the 
 name (UTF-8; replicas configured alike name endpoints alike) and the hashes as little-endian
 uint64 (the placements of one turn of the event loop go as one message; the two frames of a
 single placement alone, as replicas sent before, are read too). A load message is b"load",
-the sending replica's random id, then two frames per endpoint: its name and three
-little-endian int64 (requests, prefill tokens, decode blocks). A placement or report naming
+the sending replica's random id, then two frames per endpoint: its name and four
+little-endian int64 (requests, prefill tokens, decode blocks, and of those requests the
+ones riding a prefill still in progress there; a report of the first three alone, as
+replicas sent before, reads as none riding). A placement or report naming
 an endpoint this replica does not know is counted and dropped (its worker list differs: the
 fix is to give every replica the same workers), and so is a malformed message; nothing a
 peer sends can stop the receive loop. PUB drops when a peer is slow (high-water mark):
@@ -70,7 +72,8 @@ LOG_EVERY_S = 60.0  # a kind of bad placement is logged at most this often
 _BIG_ENDIAN = sys.byteorder == "big"
 LOAD = b"load"
 PLACEMENTS = b"placements"
-_LOAD = struct.Struct("<qqq")
+_LOAD = struct.Struct("<qqqq")
+_LOAD_OLD = struct.Struct("<qqq")  # before riders were published: read from older replicas
 HEARTBEAT_S = 1.0  # every worker's load republished this often (also: "this replica is alive")
 LINK_WAIT_S = 2.0  # /ready waits at most this long after the start to hear every peer
 SILENT_S = 3.5  # a replica not heard from this long: its load no longer counts
@@ -121,12 +124,12 @@ def decode(frames: Sequence[bytes]) -> list[tuple[str, array[int]]]:
 
 
 def encode_load(replica: bytes, reports: Iterable[tuple[str, PeerLoad]]) -> list[bytes]:
-    """One message of load reports: b"load", the replica id, then (endpoint, 3 x int64)."""
+    """One message of load reports: b"load", the replica id, then (endpoint, 4 x int64)."""
     frames = [LOAD, replica]
     for worker, load in reports:
         frames += (
             worker.encode(),
-            _LOAD.pack(load.requests, load.prefill_tokens, load.decode_blocks),
+            _LOAD.pack(load.requests, load.prefill_tokens, load.decode_blocks, load.riders),
         )
     return frames
 
@@ -134,15 +137,19 @@ def encode_load(replica: bytes, reports: Iterable[tuple[str, PeerLoad]]) -> list
 def decode_load(frames: Sequence[bytes]) -> tuple[str, list[tuple[str, PeerLoad]]]:
     """(replica id, [(endpoint, load)]) of a load message; ValueError if it is not one."""
     if len(frames) < 4 or len(frames) % 2 or frames[0] != LOAD:
-        raise ValueError("a load report is b'load', replica, then (endpoint, 3 x int64) pairs")
+        raise ValueError("a load report is b'load', replica, then (endpoint, 4 x int64) pairs")
     out = []
     for at in range(2, len(frames), 2):
-        if len(frames[at + 1]) != _LOAD.size:
-            raise ValueError("a load is 3 x int64")
-        requests, prefill, blocks = _LOAD.unpack(frames[at + 1])
-        if min(requests, prefill, blocks) < 0:
-            raise ValueError(f"negative load {requests, prefill, blocks}")
-        out.append((frames[at].decode(), PeerLoad(requests, prefill, blocks)))
+        raw = frames[at + 1]
+        if len(raw) == _LOAD.size:
+            values = _LOAD.unpack(raw)
+        elif len(raw) == _LOAD_OLD.size:
+            values = (*_LOAD_OLD.unpack(raw), 0)
+        else:
+            raise ValueError("a load is 4 x int64 (or 3, from an older replica)")
+        if min(values) < 0:
+            raise ValueError(f"negative load {values}")
+        out.append((frames[at].decode(), PeerLoad(*values)))
     return frames[1].hex(), out
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import struct
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -117,18 +118,38 @@ def test_only_a_replica_that_hears_a_lower_id_waits_before_a_new_prefix() -> Non
 
 def test_load_wire_round_trip_and_malformed_reports() -> None:
     frames = encode_load(
-        b"\x01" * 8, [("10.0.0.1:8000", PeerLoad(3, 200, 17)), ("b", PeerLoad(0, 0, 1))]
+        b"\x01" * 8, [("10.0.0.1:8000", PeerLoad(3, 200, 17, 2)), ("b", PeerLoad(0, 0, 1))]
     )
     assert decode_load(frames) == (
         "01" * 8,
-        [("10.0.0.1:8000", PeerLoad(3, 200, 17)), ("b", PeerLoad(0, 0, 1))],
+        [("10.0.0.1:8000", PeerLoad(3, 200, 17, 2)), ("b", PeerLoad(0, 0, 1))],
     )
+    # a replica of the release before riders were published sends three int64: none riding
+    older = [b"load", b"\x02" * 8, b"w", struct.pack("<qqq", 4, 50, 9)]
+    assert decode_load(older) == ("02" * 8, [("w", PeerLoad(4, 50, 9, 0))])
     bad = encode_load(b"r", [("w", PeerLoad(1, 1, 1))])
     for frames in (bad[:3], [b"lode", *bad[1:]], [*bad[:3], b"\0" * 23], [*bad, b"w"], bad[:2]):
         with pytest.raises(ValueError):
             decode_load(frames)
     with pytest.raises(ValueError, match="negative"):
         decode_load(encode_load(b"r", [("w", PeerLoad(-1, 0, 0))]))
+    with pytest.raises(ValueError, match="negative"):
+        decode_load(encode_load(b"r", [("w", PeerLoad(1, 0, 0, -1))]))
+
+
+def test_riders_count_across_replicas() -> None:
+    """The placement scorer weighs the requests riding a prefill in progress on a worker;
+    a replica must see its peers' riders too, or a hot prefix's worker looks half as
+    stalled to each of two replicas and draws cold prefixes."""
+    load = LoadTracker()
+    load.start("w", uncached_tokens=0, blocks=4, rides=True)
+    load.peer("b", "w", PeerLoad(5, 300, 0, riders=4))
+    assert load.view("w").riders == 1 + 4
+    assert load.local("w") == PeerLoad(1, 0, 0, riders=1)  # what it tells its peers
+    load.peer("b", "w", PeerLoad(5, 0, 20, riders=0))  # b's riders reached their first token
+    assert load.view("w").riders == 1
+    load.forget_peer("b")
+    assert load.view("w").riders == 1
 
 
 def test_peer_load_counts_once_next_to_the_scrape() -> None:
@@ -173,13 +194,13 @@ def test_load_against_a_model(ops: list[tuple[str, Any, int]]) -> None:
     peers: dict[tuple[str, str], int] = {}
     for op, arg, n in ops:
         if op == "start":
-            tickets.append(load.start(arg, n, 2))
+            tickets.append(load.start(arg, n, 2, rides=n % 2 == 1))
             assert changed[-1] == arg
         elif op in ("finish", "first") and tickets:
             t = tickets[arg % len(tickets)]
             (load.finish if op == "finish" else load.first_token)(t)
         elif op in ("pa", "pb"):
-            load.peer(op, arg, PeerLoad(n, n * 10, n))
+            load.peer(op, arg, PeerLoad(n, n * 10, n, riders=n // 2))
             peers[(op, arg)] = n
         elif op == "forget":
             load.forget_peer(arg)
@@ -194,6 +215,12 @@ def test_load_against_a_model(ops: list[tuple[str, Any, int]]) -> None:
             for t in tickets
             if t.worker == w and not (t.done or t.first_token_seen)
         )
+        own_riders = sum(
+            t.rides for t in tickets if t.worker == w and not (t.done or t.first_token_seen)
+        )
+        their_riders = sum(v // 2 for (_, pw), v in peers.items() if pw == w)
+        assert load.local(w).riders == own_riders
+        assert load.view(w).riders == own_riders + their_riders
 
 
 def test_a_load_report_is_counted_and_a_silent_replica_forgotten() -> None:

@@ -26,8 +26,9 @@ class LoadView:
     kv_usage: float | None = None  # the engine's own gauge, 0..1, if scraped
     # in flight on the worker (this router's and its peers'), time-averaged over ~BUSY_TAU_S
     busy: float = 0.0
-    # this router's requests there before their first token whose cached part another
-    # request is still prefilling (`Ticket.rides`): the engine runs them in its next step
+    # requests there before their first token whose cached part another request is still
+    # prefilling (`Ticket.rides`), this router's and its peers': the engine runs them in
+    # its next step
     riders: int = 0
 
 
@@ -78,6 +79,10 @@ class PeerLoad:
     requests: int
     prefill_tokens: int
     decode_blocks: int
+    # of `requests`, those riding a prefill still in progress there (`Ticket.rides`):
+    # without them a replica saw only its own share of a hot prefix's riders and placed
+    # cold prefixes on that worker, stalling the stream (hot-prefix, two replicas)
+    riders: int = 0
 
 
 @dataclass
@@ -143,22 +148,24 @@ class LoadTracker:
     def local(self, worker: str) -> PeerLoad:
         """This replica's own in-flight load on `worker`: what it tells its peers."""
         local = self._local.get(worker, _Local())
-        return PeerLoad(local.requests, local.prefill_tokens, local.decode_blocks)
+        return PeerLoad(local.requests, local.prefill_tokens, local.decode_blocks, local.riders)
 
     def known(self, worker: str) -> PeerLoad:
         """This replica's and its peers' in-flight load on `worker` (no scraped part)."""
         local = self._local.get(worker, _Local())
         requests, prefill, blocks = local.requests, local.prefill_tokens, local.decode_blocks
+        riders = local.riders
         for p in self._peers.get(worker, {}).values():
             requests += p.requests
             prefill += p.prefill_tokens
             blocks += p.decode_blocks
-        return PeerLoad(requests, prefill, blocks)
+            riders += p.riders
+        return PeerLoad(requests, prefill, blocks, riders)
 
     def peer(self, replica: str, worker: str, load: PeerLoad) -> None:
         """Another replica's own load on `worker` (its latest word replaces the last)."""
         by_replica = self._peers.setdefault(worker, {})
-        if load.requests or load.prefill_tokens or load.decode_blocks:
+        if load.requests or load.prefill_tokens or load.decode_blocks or load.riders:
             by_replica[replica] = load
         else:
             by_replica.pop(replica, None)
@@ -197,12 +204,10 @@ class LoadTracker:
         known = self.known(worker)
         b = self._busy.get(worker)
         busy = b.busy_at(self.clock.now()) if b is not None else 0.0
-        local = self._local.get(worker)
-        riders = local.riders if local is not None else 0
         s = self._scraped.get(worker)
         if s is None:
             return LoadView(
-                known.requests, known.prefill_tokens, known.decode_blocks, None, busy, riders
+                known.requests, known.prefill_tokens, known.decode_blocks, None, busy, known.riders
             )
         return LoadView(
             known.requests + round(s.others_requests),
@@ -210,7 +215,7 @@ class LoadTracker:
             known.decode_blocks + s.others_blocks,
             s.kv_usage,
             busy,
-            riders,
+            known.riders,
         )
 
     def forget(self, worker: str) -> None:
