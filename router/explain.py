@@ -66,13 +66,14 @@ def run(args: argparse.Namespace) -> int:
     )
     print(
         f"{'worker':<24} {'total':>7} {'overlap':>9} {'in flight':>9} {'cache':>12} "
-        f"{'demand':>7} {'refetched':>9}  terms"
+        f"{'demand':>7} {'refetched':>9} {'riding':>6}  terms"
     )
     for w in doc["workers"]:
         terms = " + ".join(f"{k} {v:.3f}" for k, v in w["weighted"].items())
         cache = f"{w['cached_blocks']}/{w['capacity_blocks'] or '?'}"
-        # what the placement scorer weighs: blocks stored lately, and stored again after
-        # eviction (none for a worker without KV events)
+        # what the placement scorer weighs: blocks stored lately, stored again after
+        # eviction (none for a worker without KV events), and the requests there waiting
+        # on a prefill in progress
         refetched = w.get("refetched_blocks")
         lost = "-" if refetched is None else f"{refetched:.0f}"
         why = w["excluded"] or w.get("relaxed")
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"{w['worker']:<24} {w['total']:>7.3f} {w['overlap_blocks']:>5} blk "
             f"{w['requests_in_flight']:>9} {cache:>12} {w.get('demand_blocks', 0):>7.0f} "
-            f"{lost:>9}  {terms}{note}"
+            f"{lost:>9} {w.get('riders_in_flight', 0):>6}  {terms}{note}"
         )
     print(f"winner: {doc['winner']}")
     pd = doc.get("pd")

@@ -336,8 +336,8 @@ async def test_explain_prints_each_workers_terms(capsys: pytest.CaptureFixture[s
     # the winner's row: its cache stored the document lately and lost none of it
     row = next(line.split() for line in out.splitlines() if line.startswith(worker_of(first)))
     head = next(line.split() for line in out.splitlines() if line.startswith("worker"))
-    assert head[6:8] == ["demand", "refetched"]
-    assert int(row[6]) >= int(row[2]) > 0 and row[7] == "0", out
+    assert head[6:9] == ["demand", "refetched", "riding"]
+    assert int(row[6]) >= int(row[2]) > 0 and row[7] == "0" and row[8] == "0", out
 
 
 async def predicted_blocks(s: Setup, body: dict[str, Any], worker: str) -> int:

@@ -78,7 +78,7 @@ class PlacementParams:
     # rank first by the blocks of the new prefixes each worker was given lately (each
     # counted at its first prompt, decayed like demand), then by demand (false: demand
     # alone; vllm-prefix-repetition, one router, 5 seeds: homes 8/8/8/8 in 5 of 5 runs,
-    # cached 0.739 median, against 3 of 5 and 0.721 by demand alone)
+    # cached 0.739 median, against 2 of 5 and 0.721 by demand alone)
     homes: bool = True
     # a prompt whose best-cached worker's cache churns (recent demand plus the prompt's
     # uncached tail over its size) moves where it costs least: each uncached token costs 1
