@@ -1,7 +1,9 @@
 """deploy/grafana/kvroute.json: valid JSON that deploy/grafana/build.py writes unchanged, a
 well-formed Grafana dashboard, and every PromQL expression in it (panels and variables),
 parsed by a real PromQL parser, names only metrics and labels that a real `kvroute serve`
-exposes: the test scrapes one (a child process, simulated workers, a few requests)."""
+exposes: the test scrapes two (child processes, a few requests each): one in front of
+simulated workers, and one in front of a simulated prefill and decode worker that hand KV
+over with real NIXL transfers, for the handoff's metrics."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import promql_parser
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engines.sim.pd_fleet import start_pd_fleet
 from router.procs import FleetProcess, RouterProcess
 from router.tokenize import PACKAGED_TOKENIZER
 
@@ -33,6 +36,13 @@ FAILURE_ONLY = {
     "kvroute_kv_malformed_total",
     "kvroute_requests_shed_total",  # only under overload with --shed
     "kvroute_peer_placements_total",  # only between replicas (--peer)
+    "kvroute_placement_waits_total",  # only between replicas, on a replica that waits
+    # the prefill->decode handoff's failures
+    "kvroute_pd_local_fallbacks_total",
+    "kvroute_pd_failed_pulls_total",
+    "kvroute_pd_orphaned_prefills_total",
+    "kvroute_pd_decode_errors_total",
+    "kvroute_pd_silent_recomputes_total",
 }
 GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h"}
 Doc = dict[str, Any]
@@ -128,9 +138,12 @@ def test_every_query_is_promql() -> None:
 
 
 def test_the_readme_metrics_are_all_on_the_dashboard() -> None:
+    """Every metric the README names before it offers the dashboard "for every metric
+    above": the metrics table, the replicas' and the handoff's."""
     readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("**Metrics**") : readme.index("## Prove it works")]
-    documented = set(re.findall(r"`(kvroute_[a-z_]+)`", table))
+    above = readme[: readme.index("`deploy/grafana/kvroute.json` is a Grafana dashboard")]
+    documented = set(re.findall(r"`(kvroute_[a-z_]+)", above))
+    assert {"kvroute_requests_total", "kvroute_pd_decisions_total"} <= documented
     shown = {name for e in queries() for name, _ in selectors(e)}
     shown |= {re.sub(r"_(bucket|sum|count)$", "", n) for n in shown}
     assert documented - shown == set()
@@ -142,21 +155,44 @@ def test_the_readme_metrics_are_all_on_the_dashboard() -> None:
 @cache
 def scraped() -> dict[str, set[str] | None]:
     """Every sample name kvroute serve exposes, with the labels seen on it (None: declared,
-    no samples yet)."""
+    no samples yet), over both routers."""
     with (
         FleetProcess(2, kv_blocks=512) as fleet,
         RouterProcess(fleet.urls, tokenizer=PACKAGED_TOKENIZER) as router,
     ):
         _traffic(router.url)
-        text = _metrics_once_events_flow(router.url)
+        texts = [_metrics_once_events_flow(router.url)]
+    texts.append(_handoff_metrics())
     names: dict[str, set[str] | None] = {}
-    for family in text_string_to_metric_families(text):
-        for suffix in _SUFFIXES.get(family.type, ("",)):
-            names[family.name + suffix] = None
-        for sample in family.samples:
-            seen = names.get(sample.name) or set()
-            names[sample.name] = seen | set(sample.labels)
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            for suffix in _SUFFIXES.get(family.type, ("",)):
+                names.setdefault(family.name + suffix, None)
+            for sample in family.samples:
+                seen = names.get(sample.name) or set()
+                names[sample.name] = seen | set(sample.labels)
     return names
+
+
+def _handoff_metrics() -> str:
+    """One request split over a prefill and a decode worker, its pull proved."""
+    with start_pd_fleet(1, 1, ["--kv-bytes-per-token", "4096"]) as fleet:
+        workers = ["--prefill-worker", fleet.prefill_urls[0]]
+        workers += ["--decode-worker", fleet.decode_urls[0]]
+        pd = ["--pd-threshold", "256", "--no-pd-probe", "--pd-link-mb-s", "1000"]
+        pd += ["--pd-kv-bytes-per-token", "4096"]  # the gauges show once the model knows
+        with RouterProcess([], tokenizer=PACKAGED_TOKENIZER, extra=[*workers, *pd]) as router:
+            prompt = " ".join(f"w{i} lorem" for i in range(400))
+            # streamed: a streamed split's first token is what the overhead is learned from
+            body = {"prompt": prompt, "max_tokens": 4, "ignore_eos": True, "stream": True}
+            resp = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
+            assert resp.headers["x-kvroute-pd"].startswith("split"), resp.headers
+            deadline = time.monotonic() + 20
+            while True:
+                text = httpx.get(f"{router.url}/metrics", timeout=5).text
+                if "kvroute_pd_verified_handoffs_total{" in text or time.monotonic() > deadline:
+                    return text
+                time.sleep(0.2)
 
 
 _SUFFIXES = {
@@ -186,7 +222,7 @@ def _metrics_once_events_flow(url: str) -> str:
         time.sleep(0.2)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_every_metric_and_label_the_dashboard_uses_is_exposed() -> None:
     exposed = scraped()
     for expr in queries():
@@ -204,7 +240,7 @@ def test_every_metric_and_label_the_dashboard_uses_is_exposed() -> None:
             assert grouping_labels(expr) <= labels_here, expr
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_the_checks_catch_a_wrong_name() -> None:
     exposed = scraped()
     assert "kvroute_requests_total" in exposed and "kvroute_request_total" not in exposed

@@ -1,6 +1,6 @@
 """Writes deploy/grafana/kvroute.json, the Grafana dashboard for kvroute's /metrics (the
-README's metrics table): traffic, latency, routing quality, KV-event health, the index, and
-failures. Edit this file, not the JSON, then:
+README's metrics table): traffic, latency, routing quality, KV-event health, the index,
+failures and replicas, and the prefill->decode handoff. Edit this file, not the JSON, then:
 
     .venv/bin/python deploy/grafana/build.py
 
@@ -249,6 +249,14 @@ def index_and_failures() -> list[Panel]:
             "unknown_worker: the replicas' worker lists differ",
         ),
         series(
+            "Placement waits",
+            [q(rate("kvroute_placement_waits_total", "changed"))],
+            "ops",
+            "New prefixes a replica placed after waiting --peer-wait-ms for the others' "
+            "placements; changed=true: the second look chose another worker (a collision "
+            "the wait avoided)",
+        ),
+        series(
             "Peer replicas heard",
             [q(f"kvroute_peer_replicas{{{SEL}}}", "{{instance}}")],
             "short",
@@ -261,6 +269,68 @@ def index_and_failures() -> list[Panel]:
             "reqps",
             "Requests refused because every eligible worker was busy (--shed): raise "
             "--busy-max-requests / --busy-max-kv-usage or add workers",
+        ),
+    ]
+
+
+def handoff() -> list[Panel]:
+    """The prefill->decode handoff (README: Prefill->decode handoff); empty on a fleet
+    without prefill workers."""
+    return [
+        series(
+            "P/D decisions",
+            [q(rate("kvroute_pd_decisions_total", "decision, reason"))],
+            "reqps",
+            "split or local, with the reason code each response carries in x-kvroute-pd",
+        ),
+        series(
+            "Split requests: arrival to first byte",
+            quantiles("kvroute_pd_handoff_seconds", SEL),
+            "s",
+            "Prefill leg, KV transfer and the decode leg's first token",
+        ),
+        series("Prefill leg", quantiles("kvroute_pd_prefill_leg_seconds", SEL), "s"),
+        series(
+            "KV pulled by decode workers",
+            [q(rate("kvroute_pd_kv_bytes_total", "worker", W))],
+            "Bps",
+            "From the decode workers' vllm:nixl_bytes_transferred",
+        ),
+        series(
+            "Handoffs proved and silent recomputes",
+            [
+                q(rate("kvroute_pd_verified_handoffs_total", "worker", W), "{{worker}} proved"),
+                q(rate("kvroute_pd_silent_recomputes_total", "worker", W), "{{worker}} silent"),
+            ],
+            "ops",
+            "A silent recompute: the decode worker answered without pulling the KV (/health "
+            "turns degraded naming it)",
+        ),
+        series(
+            "Handoff failures",
+            [
+                q(rate("kvroute_pd_local_fallbacks_total", "cause"), "fallback {{cause}}"),
+                q(rate("kvroute_pd_failed_pulls_total", "worker", W), "failed pull {{worker}}"),
+                q(rate("kvroute_pd_orphaned_prefills_total", "cause"), "orphaned {{cause}}"),
+                q(rate("kvroute_pd_decode_errors_total", "cause"), "decode error {{cause}}"),
+            ],
+            "ops",
+            "Splits prefilled on the decode worker instead, failed NIXL transfers, prefills "
+            "no decode leg read (held for the lease), decode legs failed after the prefill",
+        ),
+        series(
+            "Cost model: link",
+            [q(f"max(kvroute_pd_link_mb_per_second{{{SEL}}})", "MB/s")],
+            "short",
+            "The P->D link the split decision assumes, measured from the handoffs",
+        ),
+        series(
+            "Cost model: KV size and overhead",
+            [
+                q(f"max(kvroute_pd_kv_bytes_per_token{{{SEL}}})", "KV bytes per token"),
+                q(f"max(kvroute_pd_overhead_ms{{{SEL}}})", "split overhead ms"),
+            ],
+            "short",
         ),
     ]
 
@@ -314,6 +384,7 @@ def dashboard() -> dict[str, Any]:
         ("Routing quality", quality()),
         ("Workers and KV events", events()),
         ("Index and failures", index_and_failures()),
+        ("Prefill->decode handoff", handoff()),
     ]
     return {
         "title": "kvroute",
