@@ -161,7 +161,7 @@ def scraped() -> dict[str, set[str] | None]:
         RouterProcess(fleet.urls, tokenizer=PACKAGED_TOKENIZER) as router,
     ):
         _traffic(router.url)
-        texts = [_metrics_once_events_flow(router.url)]
+        texts = [_metrics_once(router.url, "kvroute_kv_event_age_seconds{")]
     texts.append(_handoff_metrics())
     names: dict[str, set[str] | None] = {}
     for text in texts:
@@ -187,12 +187,7 @@ def _handoff_metrics() -> str:
             body = {"prompt": prompt, "max_tokens": 4, "ignore_eos": True, "stream": True}
             resp = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
             assert resp.headers["x-kvroute-pd"].startswith("split"), resp.headers
-            deadline = time.monotonic() + 20
-            while True:
-                text = httpx.get(f"{router.url}/metrics", timeout=5).text
-                if "kvroute_pd_verified_handoffs_total{" in text or time.monotonic() > deadline:
-                    return text
-                time.sleep(0.2)
+            return _metrics_once(router.url, "kvroute_pd_verified_handoffs_total{")
 
 
 _SUFFIXES = {
@@ -213,11 +208,13 @@ def _traffic(url: str) -> None:
         assert client.post("/v1/completions", content=b"{").status_code == 400  # the router's
 
 
-def _metrics_once_events_flow(url: str) -> str:
+def _metrics_once(url: str, sample: str) -> str:
+    """The router's /metrics once `sample` shows (events flowing, a pull proved), or after
+    20 s: the checks then name what is missing."""
     deadline = time.monotonic() + 20
     while True:
         text = httpx.get(f"{url}/metrics", timeout=5).text
-        if "kvroute_kv_event_age_seconds{" in text or time.monotonic() > deadline:
+        if sample in text or time.monotonic() > deadline:
             return text
         time.sleep(0.2)
 
