@@ -177,11 +177,10 @@ def scraped() -> dict[str, set[str] | None]:
 def _handoff_metrics() -> str:
     """One request split over a prefill and a decode worker, its pull proved."""
     with start_pd_fleet(1, 1, ["--kv-bytes-per-token", "4096"]) as fleet:
-        workers = ["--prefill-worker", fleet.prefill_urls[0]]
-        workers += ["--decode-worker", fleet.decode_urls[0]]
         pd = ["--pd-threshold", "256", "--no-pd-probe", "--pd-link-mb-s", "1000"]
         pd += ["--pd-kv-bytes-per-token", "4096"]  # the gauges show once the model knows
-        with RouterProcess([], tokenizer=PACKAGED_TOKENIZER, extra=[*workers, *pd]) as router:
+        extra = [*fleet.router_args, *pd]
+        with RouterProcess([], tokenizer=PACKAGED_TOKENIZER, extra=extra) as router:
             prompt = " ".join(f"w{i} lorem" for i in range(400))
             # streamed: a streamed split's first token is what the overhead is learned from
             body = {"prompt": prompt, "max_tokens": 4, "ignore_eos": True, "stream": True}

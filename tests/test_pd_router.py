@@ -35,8 +35,7 @@ def fleet() -> Iterator[PDFleetProcess]:
 
 
 def router(fleet: PDFleetProcess, *extra: str) -> RouterProcess:
-    workers = ["--prefill-worker", fleet.prefill_urls[0], "--decode-worker", fleet.decode_urls[0]]
-    return RouterProcess([], tokenizer=PACKAGED_TOKENIZER, extra=[*workers, *extra])
+    return RouterProcess([], tokenizer=PACKAGED_TOKENIZER, extra=[*fleet.router_args, *extra])
 
 
 def long_prompt(tag: str) -> str:

@@ -106,6 +106,14 @@ class PDFleetProcess:
     def decode_urls(self) -> list[str]:
         return [w["url"] for w in self.decode]
 
+    @property
+    def router_args(self) -> list[str]:
+        """`kvroute serve` flags naming every worker by its role."""
+        return [
+            *(a for u in self.prefill_urls for a in ("--prefill-worker", u)),
+            *(a for u in self.decode_urls for a in ("--decode-worker", u)),
+        ]
+
     def stop(self, timeout: float = 10.0) -> None:
         """Every worker by PID; their logs' folder goes too, unless one of them failed."""
         atexit.unregister(self.stop)

@@ -177,9 +177,8 @@ async def _sample(client: httpx.AsyncClient, url: str, prompt: str, bg: Backgrou
 
 
 def router_for(fleet: PDFleetProcess, threshold: str) -> RouterProcess:
-    workers = ["--prefill-worker", fleet.prefill_urls[0], "--decode-worker", fleet.decode_urls[0]]
     probe = [] if threshold == "auto" else ["--no-pd-probe"]
-    extra = [*workers, "--pd-threshold", threshold, *probe]
+    extra = [*fleet.router_args, "--pd-threshold", threshold, *probe]
     return RouterProcess([], tokenizer=PACKAGED_TOKENIZER, extra=extra, ready_timeout=60)
 
 
