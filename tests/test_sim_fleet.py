@@ -18,6 +18,7 @@ from engines.sim.fleet import (
     drop_scratch,
     fleet_configs,
     run_fleet,
+    scratch_dir,
     start_fleet_process,
 )
 from router.cli import build_parser, main
@@ -77,18 +78,39 @@ def test_a_fleet_that_fails_to_start_keeps_its_log_and_names_it() -> None:
     [((0,), False), ((-signal.SIGTERM, 0), False), ((143,), False), ((-9,), True), ((0, 1), True)],
 )
 def test_a_child_folder_goes_only_after_a_clean_stop(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, codes: tuple[int, ...], kept: bool
+    monkeypatch: pytest.MonkeyPatch, codes: tuple[int, ...], kept: bool
 ) -> None:
     monkeypatch.delenv(KEEP_LOGS_ENV, raising=False)
-    folder = tmp_path / "child"
-    folder.mkdir()
-    (folder / "x.log").write_text("boom")
-    drop_scratch(folder, *codes)
-    assert folder.exists() == kept
-    monkeypatch.setenv(KEEP_LOGS_ENV, "1")
-    folder.mkdir(exist_ok=True)
-    drop_scratch(folder, 0)
-    assert folder.exists()
+    folder = scratch_dir("kvroute-test-")
+    try:
+        (folder / "x.log").write_text("boom")
+        drop_scratch(folder, *codes)
+        assert folder.exists() == kept
+        monkeypatch.setenv(KEEP_LOGS_ENV, "1")
+        folder.mkdir(exist_ok=True)
+        drop_scratch(folder, 0)
+        assert folder.exists()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_folder_scratch_dir_did_not_make_is_never_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a fleet object built by hand with someone's own folder must not delete it on stop
+    monkeypatch.delenv(KEEP_LOGS_ENV, raising=False)
+    (tmp_path / "theirs.txt").write_text("keep me")
+    drop_scratch(tmp_path, 0)
+    assert (tmp_path / "theirs.txt").read_text() == "keep me"
+    made = scratch_dir("kvroute-test-")
+    drop_scratch(made, 0)
+    assert not made.exists()
+    made.mkdir()  # the same path made again by someone else is theirs now
+    try:
+        drop_scratch(made, 0)
+        assert made.exists()
+    finally:
+        made.rmdir()
 
 
 def test_fleet_cli_reports_bad_flags() -> None:

@@ -168,19 +168,30 @@ KEEP_LOGS_ENV = "KVROUTE_KEEP_LOGS"
 STOPPED_CODES = frozenset({0, -signal.SIGTERM, 128 + signal.SIGTERM})
 
 
+# the folders `scratch_dir` made in this process: the only ones `drop_scratch` may remove, so
+# a caller that hands it a folder of its own (a log dir, /tmp) never loses it
+_SCRATCH: set[Path] = set()
+
+
 def scratch_dir(prefix: str) -> Path:
     """A private folder for a child process's log and files; `drop_scratch` removes it."""
-    return Path(tempfile.mkdtemp(prefix=prefix))
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    _SCRATCH.add(folder)
+    return folder
 
 
 def drop_scratch(folder: Path | None, *codes: int | None) -> None:
     """Remove a stopped child's folder when every exit code says it was simply stopped. A
     child that failed or had to be killed keeps its log for whoever reads the error that
     quoted it (benchmarks and test runs would otherwise leave a folder per child behind);
-    KVROUTE_KEEP_LOGS=1 keeps every one."""
-    if folder is None or os.environ.get(KEEP_LOGS_ENV, "") not in ("", "0"):
+    KVROUTE_KEEP_LOGS=1 keeps every one. A folder `scratch_dir` did not make is never
+    removed, whatever the codes."""
+    if folder is None or folder not in _SCRATCH:
+        return
+    if os.environ.get(KEEP_LOGS_ENV, "") not in ("", "0"):
         return
     if all(code in STOPPED_CODES for code in codes):
+        _SCRATCH.discard(folder)
         shutil.rmtree(folder, ignore_errors=True)
 
 
