@@ -6,8 +6,9 @@ something already applied (a replay delivered it first, or the stream repeated i
 the first batch of a new engine process. Only the second wipes the worker's index, so a
 lower number counts as a restart only with evidence:
 
-- the subscription was just (re)connected: a new TCP connection with a lower counter is a
-  new process (the engine says so); or
+- the subscription was just (re)connected: a new TCP connection whose number is at or below
+  the last live one is a new process (the engine says so; numbers between the last live one
+  and the expected one are live copies of what a replay applied); or
 - it went back to the start (at most half the last applied number) *and* the next live
   batch carries on from it while still below the old position. Until then it is held.
 
@@ -41,8 +42,10 @@ class SeqTracker:
 
     def reconnected(self) -> None:
         """A fresh subscription: its first batch may follow a gap (ZMQ slow joiner), and a
-        lower number on it means the engine restarted."""
-        self._last_live = None
+        number on it at or below the last live one means the engine restarted. The last live
+        number is kept: live copies of batches a replay already applied may still be queued
+        from before the reconnect (a network blip during a replay), and numbers above it are
+        such copies, not a new process; a new process numbers from 0 again."""
         self._fresh = True
 
     def restart(self) -> None:

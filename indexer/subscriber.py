@@ -95,21 +95,29 @@ class ReplayClient:
     async def fetch(self, start_seq: int) -> list[tuple[int, bytes]] | None:
         """Every buffered batch from `start_seq`, or None if the engine did not answer."""
         sock = self._socket()
-        await sock.send_multipart([b"", seq_bytes(start_seq)])
-        frames: list[tuple[int, bytes]] = []
-        while True:
-            try:
-                reply = await asyncio.wait_for(sock.recv_multipart(), self.timeout_s)
-            except TimeoutError:
-                self.close()  # late replies must not leak into the next request
-                return None
-            if len(reply) != 4:
-                log.warning("replay %s: reply with %d frames ignored", self.endpoint, len(reply))
-                continue
-            seq = parse_seq(reply[2])
-            if seq == -1:
-                return frames
-            frames.append((seq, reply[3]))
+        try:
+            await sock.send_multipart([b"", seq_bytes(start_seq)])
+            frames: list[tuple[int, bytes]] = []
+            while True:
+                try:
+                    reply = await asyncio.wait_for(sock.recv_multipart(), self.timeout_s)
+                except TimeoutError:
+                    self.close()  # late replies must not leak into the next request
+                    return None
+                if len(reply) != 4:
+                    log.warning(
+                        "replay %s: reply with %d frames ignored", self.endpoint, len(reply)
+                    )
+                    continue
+                seq = parse_seq(reply[2])
+                if seq == -1:
+                    return frames
+                frames.append((seq, reply[3]))
+        except BaseException:
+            # a bad frame or a cancellation leaves the rest of this reply queued on the
+            # socket, and every later fetch would read the reply before its own
+            self.close()
+            raise
 
     def close(self) -> None:
         if self._sock is not None:

@@ -189,6 +189,27 @@ def test_restart_after_reconnect(setup: tuple[PrefixIndex, WorkerIngest, FakeClo
     assert holds(index, 7) and holds(index, 8) and not holds(index, 1)
 
 
+def test_a_reconnect_during_a_replay_is_not_a_restart(
+    setup: tuple[PrefixIndex, WorkerIngest, FakeClock],
+) -> None:
+    """A network blip during a replay: the live copies of what the replay applied were
+    queued before the reconnect and arrive after it, numbered below the expected one."""
+    index, ingest, _ = setup
+    for seq in range(20):
+        ingest.on_live(seq, block(seq + 1))
+    assert ingest.on_live(21, block(22)) == ReplayRequest("w", 20)
+    ingest.reconnected()
+    ingest.finish_replay([(s, block(s + 1)) for s in range(20, 25)])
+    for seq in range(22, 25):
+        assert ingest.on_live(seq, block(seq + 1)) is None
+    assert ingest.counters.restarts == 0
+    assert all(holds(index, i) for i in range(1, 26))
+    # a new process still numbers at or below the last live batch: a restart
+    ingest.reconnected()
+    ingest.on_live(3, block(40))
+    assert ingest.counters.restarts == 1
+
+
 def test_malformed_payload_is_counted_and_dropped(
     setup: tuple[PrefixIndex, WorkerIngest, FakeClock],
 ) -> None:

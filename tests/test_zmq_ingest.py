@@ -11,6 +11,8 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+import zmq
+import zmq.asyncio
 
 from engines.sim.events_pub import EventPublisher, PublisherConfig
 from engines.vllm import events as wire
@@ -20,7 +22,7 @@ from indexer.clock import FakeClock
 from indexer.hashing import Namespace, hash_request
 from indexer.index import PrefixIndex
 from indexer.ingest import ReplayRequest, WorkerIngest
-from indexer.subscriber import EventSubscriber, seq_bytes
+from indexer.subscriber import END_SEQ, EventSubscriber, ReplayClient, seq_bytes
 
 pytestmark = pytest.mark.timeout(60)
 BS = 4
@@ -247,3 +249,38 @@ async def test_a_failure_inside_the_loop_restarts_the_subscriber() -> None:
             assert sub.status.restarts == 1 and sub.status.running and sub.status.connected
     finally:
         await pub.stop()
+
+
+async def test_a_bad_frame_in_a_replay_reply_does_not_shift_the_next_replies() -> None:
+    """The rest of a reply a bad frame broke off must not be read as the next reply."""
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind("tcp://127.0.0.1:*")
+    endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    async def serve() -> None:
+        first = True
+        while True:
+            ident, _, start_b = await router.recv_multipart()
+            start = int.from_bytes(start_b, "big")
+            frames = [[b"t", seq_bytes(start), b"a"]]
+            if first:  # a 2-byte sequence number in the middle of the reply
+                frames += [[b"t", b"\x00\x01", b"junk"], [b"t", seq_bytes(start + 1), b"b"]]
+                first = False
+            for f in [*frames, [b"t", END_SEQ, b""]]:
+                await router.send_multipart([ident, b"", *f])
+
+    server = asyncio.create_task(serve())
+    client = ReplayClient(ctx, endpoint, timeout_s=2.0)
+    try:
+        with pytest.raises(ValueError):
+            await client.fetch(10)
+        await asyncio.sleep(0.1)  # the broken reply's tail has arrived by now
+        assert await client.fetch(50) == [(50, b"a")]
+        assert await client.fetch(90) == [(90, b"a")]
+    finally:
+        server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server
+        client.close()
+        ctx.destroy(linger=0)
