@@ -64,7 +64,7 @@ class WorkerChecks:
         was_down = h.failures >= EJECT_AFTER_FAILURES or not h.available
         h.failures = h.timeouts = 0
         if not h.discovered:
-            await self.pool.discover(h)
+            await self.pool.discover_once(h)
         elif was_down:
             # it may be a new engine process with other flags: ask it again
             await self.pool.rediscover(h, "it came back after failing health checks")

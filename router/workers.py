@@ -64,6 +64,9 @@ class WorkerHandle:
     last_error: str = ""
     problems: dict[str, str] = field(default_factory=dict)  # config problems found by probes
     discovered: bool = False
+    # discovery, rediscovery and removal one at a time: the health and scrape loops can both
+    # rediscover a restarted engine, and each subscribes anew after awaiting the worker
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
 
     @property
     def name(self) -> str:
@@ -173,13 +176,20 @@ class WorkerPool:
             n for n in self.handles if n not in wanted or self.handles[n].config != wanted[n]
         ]:
             h = self.handles.pop(name)
-            await self._stop_feeds(h)
+            async with h.lock:  # a rediscovery in flight subscribes first, then stops here
+                await self._stop_feeds(h)
             for state in h.states:
                 self.fleet.remove(state.name)
         new = [w for name, w in wanted.items() if name not in self.handles]
         for w in new:
             self.handles[w.name] = self._handle(w)
-        await asyncio.gather(*(self.discover(self.handles[w.name]) for w in new))
+        await asyncio.gather(*(self.discover_once(self.handles[w.name]) for w in new))
+
+    async def discover_once(self, h: WorkerHandle) -> None:
+        """`discover`, unless another caller did it or the worker was removed meanwhile."""
+        async with h.lock:
+            if self.handles.get(h.name) is h and not h.discovered:
+                await self.discover(h)
 
     def _handle(self, w: WorkerConfig) -> WorkerHandle:
         h = WorkerHandle(
@@ -291,6 +301,8 @@ class WorkerPool:
     def _subscribe(self, h: WorkerHandle, feed: Feed, src: EventSource) -> None:
         state = feed.state
         assert state.health is not None
+        if feed.task is not None:  # never two subscriptions feeding one index
+            feed.task.cancel()
         state.health.endpoint = src.endpoint
         feed.source = src
         feed.ingest = WorkerIngest(
@@ -327,14 +339,17 @@ class WorkerPool:
     async def rediscover(self, h: WorkerHandle, why: str) -> None:
         """Forget what we knew of a worker (its index, subscriptions, findings) and discover
         it again: an engine that restarted may have lost its cache or its flags."""
-        log.warning("worker %s: rediscovering because %s", h.name, why)
-        await self._stop_feeds(h)
-        h.problems.clear()
-        for f in h.feeds:
-            f.ingest = f.subscriber = f.source = None
-            self.fleet.forget_cache(f.state.name)
-            f.state.health = self.health_tracker(f.state.name, h)
-        await self.discover(h)
+        async with h.lock:
+            if self.handles.get(h.name) is not h:
+                return  # removed (or replaced) while an earlier discovery held the lock
+            log.warning("worker %s: rediscovering because %s", h.name, why)
+            await self._stop_feeds(h)
+            h.problems.clear()
+            for f in h.feeds:
+                f.ingest = f.subscriber = f.source = None
+                self.fleet.forget_cache(f.state.name)
+                f.state.health = self.health_tracker(f.state.name, h)
+            await self.discover(h)
 
     def eject(self, endpoint: str, why: str) -> None:
         """A request could not connect: stop routing there until a health check passes."""
