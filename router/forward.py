@@ -38,6 +38,9 @@ HOP_BY_HOP = frozenset(
         b"upgrade",
         b"host",
         b"content-length",
+        # the router has read the whole body: a worker asked to confirm it first would
+        # answer 100 Continue to a request that is already complete
+        b"expect",
     }
 )
 # Routing decisions belong to the router; a client must not be able to steer them.

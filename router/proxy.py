@@ -17,13 +17,14 @@ import itertools
 import logging
 import os
 import time
+import urllib.parse
 from typing import TYPE_CHECKING, Any, Protocol
 
 from router.access import AccessLog
 from router.asgi import CLIENT_GONE, Receive, Scope, Send, check_length, header, read_body
 from router.core.config import Config
 from router.core.decision import Constraints, Decision, WorkerScore
-from router.core.errors import KvrouteError, MethodNotAllowed, Overloaded, UpstreamError
+from router.core.errors import BadRequest, KvrouteError, MethodNotAllowed, Overloaded, UpstreamError
 from router.forward import ConnectFailed, Forwarder, Outcome, WorkerTimedOut, upstream_headers
 from router.metrics import RouterMetrics
 from router.openai_req import RoutingInput, parse, parse_passthrough
@@ -85,6 +86,37 @@ class ProxyDoor:
             raise MethodNotAllowed(f"{path} takes POST")
         check_length(scope, self.config.max_body_bytes)
         body = await read_body(receive, self.config.max_body_bytes, self.config.body_timeout_s)
+        # watch for the client hanging up from here on: a decision can wait (a remote
+        # tokenizer, a placement wait), and a hang-up the server reports before anyone
+        # listens would leave the worker generating an answer for nobody
+        me = asyncio.current_task()
+        assert me is not None
+        gone = scope.get(CLIENT_GONE)
+        watch: _Watch
+        if gone is None:  # not kvroute's own server (an in-process ASGI transport)
+            watch = asyncio.ensure_future(_cancel_on_disconnect(receive, me))
+        else:
+            watch = _Hangup(me)
+            gone.append(watch.fire)
+        try:
+            await self._route(scope, send, path, kind, body, t0, t0_ns)
+        except asyncio.CancelledError:
+            if not watch.done():
+                raise
+            me.uncancel()  # the client went away: closing upstream already aborted the request
+        finally:
+            watch.cancel()
+
+    async def _route(
+        self,
+        scope: Scope,
+        send: Send,
+        path: str,
+        kind: str | None,
+        body: bytes,
+        t0: float,
+        t0_ns: int,
+    ) -> None:
         rin = parse(kind, body) if kind is not None else parse_passthrough(path, body)
         pd = kind is not None and self.pd is not None and self.pd.active
         decision = await self.svc.decide(rin, profile="decode" if pd else "default")
@@ -105,30 +137,14 @@ class ProxyDoor:
             self.forwarder.worker_header,
             _forwarded(scope, self.config),
         )
-        target = path.encode()
-        if scope.get("query_string"):
-            target += b"?" + scope["query_string"]
-        me = asyncio.current_task()
-        assert me is not None
-        gone = scope.get(CLIENT_GONE)
-        watch: _Watch
-        if gone is None:  # not kvroute's own server (an in-process ASGI transport)
-            watch = asyncio.ensure_future(_cancel_on_disconnect(receive, me))
+        target = request_target(scope)
+        request = _Request(
+            decision, rin, scope["method"].encode(), target, headers, body, request_id, t0
+        )
+        if pd and self.pd is not None:
+            await self.pd.serve(request, send, self._attempts)
         else:
-            watch = _Hangup(me)
-            gone.append(watch.fire)
-        request = _Request(decision, rin, method.encode(), target, headers, body, request_id, t0)
-        try:
-            if pd and self.pd is not None:
-                await self.pd.serve(request, send, self._attempts)
-            else:
-                await self._attempts(request, send)
-        except asyncio.CancelledError:
-            if not watch.done():
-                raise
-            me.uncancel()  # the client went away: closing upstream already aborted the request
-        finally:
-            watch.cancel()
+            await self._attempts(request, send)
 
     async def _attempts(self, r: _Request, send: Send) -> None:
         failures: list[str] = []
@@ -198,7 +214,11 @@ class ProxyDoor:
 
     def _done(self, ticket: Ticket, r: _Request, result: Outcome) -> None:
         self.svc.finish(ticket, status=result.status, cached_tokens=result.cached_tokens)
-        self.pool.note_answered(ticket.worker)
+        if result.broken == "timeout":
+            # a worker that sends a stream's head and then hangs is hung all the same
+            self.pool.note_timeout(ticket.worker, "no chunk within the timeout")
+        elif result.broken is None:
+            self.pool.note_answered(ticket.worker)
         if result.broken is not None:
             self.metrics.child(self.metrics.stream_errors, ticket.worker, result.broken).inc()
         if self.access is not None:
@@ -247,6 +267,21 @@ class _Request:
         self.request_id = request_id
         self.started = started
         self.first_byte: float | None = None
+
+
+def request_target(scope: Scope) -> bytes:
+    """The path and query to send the worker, as the client encoded them. The decoded
+    `path` must never be written into the request line: a `%0D%0A` in it would become a
+    line break there, letting a client add headers or a whole request of its own on a
+    pooled connection (whose answer the next client would get), and `%3F` would become a
+    query."""
+    raw = scope.get("raw_path")
+    target = raw if raw else urllib.parse.quote(scope["path"]).encode()
+    if scope.get("query_string"):
+        target += b"?" + scope["query_string"]
+    if any(b <= 0x20 or b == 0x7F for b in target):
+        raise BadRequest("the request target has spaces or control characters")
+    return target
 
 
 def _forwarded(scope: Scope, config: Config) -> tuple[bytes, bytes, bytes] | None:

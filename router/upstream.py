@@ -68,6 +68,7 @@ class _Conn(asyncio.Protocol):
         self.complete = False
         self.error: BaseException | None = None
         self.paused = False
+        self.interim = False
 
     def reset(self) -> None:
         self.parser = httptools.HttpResponseParser(self)
@@ -78,6 +79,7 @@ class _Conn(asyncio.Protocol):
         self.chunks.clear()
         self.buffered = 0
         self.complete = False
+        self.interim = False
 
     # -- asyncio.Protocol --
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -93,6 +95,10 @@ class _Conn(asyncio.Protocol):
             self._fail(UpstreamClosed(f"bad HTTP from worker: {exc}", before_response=False))
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if not self.complete and exc is None and self._ends_at_close():
+            self.complete = True  # a body without a length ends where the connection does
+            self.keep_alive = False
+            self._wake()
         if not self.complete:
             self._fail(
                 UpstreamClosed(
@@ -102,12 +108,31 @@ class _Conn(asyncio.Protocol):
             )
         self.transport = None
 
+    def _ends_at_close(self) -> bool:
+        """The response head arrived and gave neither a length nor chunked framing."""
+        if self.error is not None or not self.head.done() or self.head.exception() is not None:
+            return False
+        for name, value in self.headers:
+            if name == b"content-length":
+                return False
+            if name == b"transfer-encoding" and b"chunked" in value.lower():
+                return False
+        return True
+
     # -- httptools callbacks --
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            # an interim answer (100 Continue, 103 Early Hints): the real head follows on
+            # this connection; taken as final, it would hand this request's answer to the
+            # next one to reuse the connection
+            self.headers = []
+            self.interim = True
+            return
+        self.status = status
         self.keep_alive = self.parser.should_keep_alive()
         if not self.head.done():
             self.head.set_result(None)
@@ -121,6 +146,9 @@ class _Conn(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self.interim:
+            self.interim = False
+            return
         self.complete = True
         self._wake()
 

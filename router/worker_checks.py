@@ -62,7 +62,12 @@ class WorkerChecks:
                 self.pool.set_down(h, why)
             return
         was_down = h.failures >= EJECT_AFTER_FAILURES or not h.available
-        h.failures = h.timeouts = 0
+        h.failures = 0
+        if was_down:
+            # a fresh count for a worker back in rotation; a passing /health alone does not
+            # clear requests timing out: an engine whose server answers while its model
+            # hangs passes every health check
+            h.timeouts = 0
         if not h.discovered:
             await self.pool.discover_once(h)
         elif was_down:

@@ -33,6 +33,14 @@ class LoadView:
 
 
 @dataclass
+class _Local:
+    requests: int = 0
+    prefill_tokens: int = 0
+    decode_blocks: int = 0
+    riders: int = 0
+
+
+@dataclass
 class Ticket:
     worker: str
     prefill_tokens: int
@@ -41,14 +49,9 @@ class Ticket:
     done: bool = False
     expects_events: bool = False  # the engine should publish new blocks for this request
     rides: bool = False  # part of its cached prefix was only predicted at the pick
-
-
-@dataclass
-class _Local:
-    requests: int = 0
-    prefill_tokens: int = 0
-    decode_blocks: int = 0
-    riders: int = 0
+    # the counters it was counted in: a worker removed (and maybe added again) while the
+    # request runs must neither fail its end nor count it off the new worker's counters
+    counted: _Local = field(default_factory=_Local, repr=False)
 
 
 @dataclass
@@ -117,23 +120,23 @@ class LoadTracker:
         self._counted(worker)
         if self.on_change is not None:
             self.on_change(worker)
-        return Ticket(worker, uncached_tokens, blocks, rides=rides)
+        return Ticket(worker, uncached_tokens, blocks, rides=rides, counted=local)
 
     def first_token(self, t: Ticket) -> None:
         if t.first_token_seen or t.done:
             return
         t.first_token_seen = True
-        local = self._local[t.worker]
+        local = t.counted
         local.prefill_tokens -= t.prefill_tokens
         local.riders -= t.rides
         local.decode_blocks += t.blocks
-        if self.on_change is not None:
+        if self.on_change is not None and self._local.get(t.worker) is local:
             self.on_change(t.worker)
 
     def finish(self, t: Ticket) -> None:
         if t.done:
             return
-        local = self._local[t.worker]
+        local = t.counted
         if t.first_token_seen:
             local.decode_blocks -= t.blocks
         else:
@@ -141,6 +144,8 @@ class LoadTracker:
             local.riders -= t.rides
         local.requests -= 1
         t.done = True
+        if self._local.get(t.worker) is not local:
+            return  # the worker was forgotten since: its counters are gone with it
         self._counted(t.worker)
         if self.on_change is not None:
             self.on_change(t.worker)
