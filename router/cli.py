@@ -74,8 +74,14 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"kvroute {version()}")
         return 0
-    from router.logsetup import configure
+    from router.logsetup import LEVELS, configure
 
+    if str(args.log_level).upper() not in LEVELS:
+        print(
+            f"kvroute: --log-level {args.log_level!r}: use one of {', '.join(LEVELS)}",
+            file=sys.stderr,
+        )
+        return 2
     configure(args.log_level, getattr(args, "log_format", None) or _env_log_format())
     args.argv = argv  # `serve --processes N` starts its children with these same arguments
     func = getattr(args, "func", None)

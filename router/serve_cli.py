@@ -348,6 +348,7 @@ _PLAIN = [
     "forwarded_headers",
     "access_log",
     "log_format",
+    "otel",
     "pd_threshold",
     "pd_link_mb_s",
     "pd_kv_bytes_per_token",
@@ -417,6 +418,10 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args)
+        from router.logsetup import use_format
+
+        use_format(config.log_format)  # a config file's log_format: logging began before it
+        _check_tls(config)
         if config.tokenizer is None:
             config = from_mapping({"tokenizer": REMOTE}, config)
             if not config.tokenizers:
@@ -471,6 +476,25 @@ def run(args: argparse.Namespace) -> int:
         sockets = listen_sockets(role, config.host, config.port)
     serve(uv, app.start_draining, config.drain_delay_s, sockets=sockets)
     return 0
+
+
+def _check_tls(config: Config) -> None:
+    """Load the certificate pair now: uvicorn would fail on it after the start-up line, with
+    a traceback that names neither file."""
+    if config.tls_cert is None or config.tls_key is None:
+        return
+    import ssl
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+            config.tls_cert, config.tls_key
+        )
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(
+            f"--tls-cert {config.tls_cert} / --tls-key {config.tls_key}: cannot load them "
+            f"({exc}); give a PEM certificate and its private key",
+            param="tls_cert",
+        ) from None
 
 
 def _supervise(args: argparse.Namespace, config: Config) -> int:

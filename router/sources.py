@@ -46,7 +46,12 @@ class WorkerSources:
             self._read_file()
         if self.config.workers_dns:
             await self._resolve()
-        await self.pool.start(self.merged())
+        merged = self.merged()
+        try:
+            validate_workers(merged, self.config.mode)
+        except ConfigError as err:  # the other sources may complete it later
+            log.error("worker list at start: %s", err.message)
+        await self.pool.start(merged)
         if self.config.workers_file:
             self._tasks.append(asyncio.create_task(self._watch_file()))
         if self.config.workers_dns:
@@ -63,14 +68,27 @@ class WorkerSources:
     async def replace_listed(self, raw: Any) -> tuple[WorkerConfig, ...]:
         """The admin API's new list (URLs or mappings), checked like the config's."""
         workers = parse_workers(raw, "workers")
-        validate_workers(workers, self.config.mode)
-        self.listed = workers
+        validate_workers(workers, self.config.mode, whole=False)
+        previous, self.listed = self.listed, workers
+        try:
+            validate_workers(self.merged(), self.config.mode)
+        except ConfigError:
+            self.listed = previous  # refused: the current list stays
+            raise
         await self._apply("the admin API")
         return workers
 
     async def _apply(self, origin: str) -> None:
         merged = self.merged()
-        validate_workers(merged, self.config.mode)
+        try:
+            validate_workers(merged, self.config.mode)
+        except ConfigError as err:
+            # a file or DNS change that leaves no whole fleet (prefill workers with no
+            # decode worker): the pool keeps the workers it has
+            log.error(
+                "worker list from %s refused: %s (keeping the current list)", origin, err.message
+            )
+            return
         await self.pool.set_workers(merged)
         log.warning("worker list from %s: %s", origin, ", ".join(w.name for w in merged) or "none")
 
@@ -89,7 +107,7 @@ class WorkerSources:
                 raw = yaml.safe_load(f) or []
             entries = raw.get("workers", raw) if isinstance(raw, dict) else raw
             workers = parse_workers(entries, f"workers_file {path}: workers")
-            validate_workers(workers, self.config.mode)
+            validate_workers(workers, self.config.mode, whole=False)
         except (OSError, yaml.YAMLError) as exc:
             log.error("workers file %s: %s (keeping the current list)", path, exc)
             return False

@@ -47,6 +47,17 @@ def args(**kw: object) -> argparse.Namespace:
         ({"workers": ["http://a:1"], "approx_ttl_s": -1}, "approx_ttl_s"),
         ({"workers": ["http://a:1"], "warm_connections": -1}, "warm_connections"),
         ({"workers_dns": "no-port"}, "workers_dns"),
+        ({"workers_dns": "localhost:99999"}, "workers_dns"),
+        ({"workers": ["http://a:1"], "worker_header": "x kv:worker"}, "worker_header"),
+        ({"workers": ["http://a:1"], "tokenizer": ""}, "tokenizer"),
+        (
+            {"workers": ["http://a:1"], "scoring": {"params": {"placement": {"slack": -1}}}},
+            "scoring.params.placement",
+        ),
+        (
+            {"workers": ["http://a:1"], "scoring": {"params": {"placement": {"others": 5}}}},
+            "scoring.params.placement",
+        ),
         (
             {"workers": ["http://a:1"], "scoring": {"prefill_wait_over": 0.5}},
             "scoring.prefill_wait_over",
@@ -67,6 +78,11 @@ def args(**kw: object) -> argparse.Namespace:
         "ttl",
         "warm",
         "dns",
+        "dns-port",
+        "worker-header",
+        "empty-tokenizer",
+        "placement-slack",
+        "placement-others",
         "prefill-wait-over",
         "prefill-wait-floor",
     ],
@@ -104,6 +120,10 @@ def test_yaml_then_env_then_flags(tmp_path: Path) -> None:
 def test_env_values_are_checked() -> None:
     with pytest.raises(ConfigError, match="KVROUTE_PORT"):
         from_env(Config(), {"KVROUTE_PORT": "eighty"})
+    with pytest.raises(ConfigError, match="KVROUTE_PORT"):  # not a ValueError traceback
+        from_env(Config(), {"KVROUTE_PORT": "--5"})
+    assert from_env(Config(), {"KVROUTE_METRICS": "off"}).metrics is False
+    assert from_env(Config(), {"KVROUTE_METRICS": "on"}).metrics is True
     assert from_env(Config(), {"KVROUTE_WORKERS": "http://a:1, http://b:2"}).workers == (
         WorkerConfig("http://a:1"),
         WorkerConfig("http://b:2"),
@@ -112,3 +132,64 @@ def test_env_values_are_checked() -> None:
 
 def test_worker_name_is_host_port() -> None:
     assert WorkerConfig("http://10.0.0.5:8000/").name == "10.0.0.5:8000"
+
+
+def test_every_serve_flag_reaches_the_config() -> None:
+    """A flag whose name is a config field must be carried into it (`--otel` once was not,
+    and started a router without tracing and without a word)."""
+    from router.cli import build_parser
+    from router.serve_cli import _PLAIN, _TUNING
+
+    parser = build_parser(only="serve")
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    serve = commands.choices["serve"]
+    fields = {f for f in Config.__dataclass_fields__}
+    carried = {*_PLAIN, *(t[1] for t in _TUNING), "workers", "tokenizer", "tokenizers"}
+    named = {a.dest for a in serve._actions if a.dest in fields}
+    assert named and named <= carried, sorted(named - carried)
+    cfg = load_config(parser.parse_args(["serve", "--worker", "http://a:1", "--otel"]), {})
+    assert cfg.otel is True
+
+
+def test_start_up_errors_name_the_fix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from router.cli import main
+
+    cert, key = tmp_path / "missing.pem", tmp_path / "missing.key"
+    worker = ["serve", "--worker", "http://127.0.0.1:9", "--tokenizer", "remote"]
+    assert main([*worker, "--tls-cert", str(cert), "--tls-key", str(key)]) == 2
+    err = capsys.readouterr().err
+    assert str(cert) in err and "PEM" in err
+    cert.write_text("not a certificate")
+    key.write_text("nor a key")
+    assert main([*worker, "--tls-cert", str(cert), "--tls-key", str(key)]) == 2
+    assert str(cert) in capsys.readouterr().err
+    assert main(["--log-level", "VERBOSE", *worker]) == 2
+    assert "DEBUG, INFO" in capsys.readouterr().err
+
+
+def test_a_config_files_log_format_is_used(tmp_path: Path) -> None:
+    """Logging starts before the config file is read; its log_format must still apply."""
+    import json
+    import subprocess
+    import sys
+
+    from router.procs import free_port
+
+    cfg = tmp_path / "kvroute.yaml"
+    cfg.write_text(
+        f"workers: [http://127.0.0.1:9]\nport: {free_port()}\nlog_format: json\ntokenizer: remote\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "router.cli", "serve", "--config", str(cfg)],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline().decode()  # the start-up line
+        assert json.loads(line)["message"].startswith("kvroute ")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        if proc.stderr is not None:
+            proc.stderr.close()

@@ -136,3 +136,17 @@ def test_auto_measures_the_link_before_it_splits(fleet: PDFleetProcess) -> None:
         pd_path = next(x for x in report.results if x.name == "pd-path")
         assert pd_path.status is Status.PASS, pd_path
         assert pd_path.data["bytes_moved"] > 0 and pd_path.data["link_mb_s"] > 0
+
+
+def test_prefill_workers_added_after_start_are_probed(fleet: PDFleetProcess) -> None:
+    """A fleet that gains its first prefill worker later (the admin API here; a workers
+    file or DNS alike) must probe the link then, as at start, or it splits unmeasured."""
+    p, d = fleet.prefill_urls[0], fleet.decode_urls[0]
+    with RouterProcess([], tokenizer=PACKAGED_TOKENIZER, extra=["--decode-worker", d]) as r:
+        assert "pd" not in pd_health(r)  # no prefill worker yet: no handoffs
+        auth = {"authorization": f"Bearer {r.admin_token}"}
+        both = {"workers": [{"url": d, "role": "decode"}, {"url": p, "role": "prefill"}]}
+        resp = httpx.post(r.url + "/admin/workers", json=both, headers=auth, timeout=30)
+        assert resp.status_code == 200, resp.text
+        assert wait_for(lambda: pd_health(r)["pd"]["calibration"] == "done", timeout=60)
+        assert pd_health(r)["pd"]["link_mb_s"] is not None

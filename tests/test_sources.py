@@ -14,7 +14,8 @@ import pytest
 from engines.sim.config import SimConfig
 from engines.sim.fleet import run_fleet
 from router.app import RouterApp
-from router.core.config import Config
+from router.core.config import Config, WorkerConfig
+from router.core.errors import ConfigError
 from router.procs import serve_in_process
 from router.serve_cli import load_config, split_tokenizer_flags
 from router.tokenize import PACKAGED_TOKENIZER
@@ -113,3 +114,33 @@ def test_tokenizer_flags_split_default_and_per_model(tmp_path: Path) -> None:
     )
     assert default == str(odd)  # an existing folder whose name has "=" is a path
     assert per_model == {"llama": "/models/llama", "qwen": "remote"}
+
+
+async def test_prefill_workers_may_hand_off_to_decode_workers_another_source_lists(
+    tmp_path: Path,
+) -> None:
+    async with run_fleet(2, SIM) as fleet:
+        a, b = fleet.urls
+        path = tmp_path / "workers.yaml"
+        path.write_text(f"- url: {a}\n  role: decode\n")
+        config = Config(
+            workers=(),
+            workers_file=str(path),
+            tokenizer=str(PACKAGED_TOKENIZER),
+            admin_insecure=True,
+            pd_probe=False,
+        ).validate()
+        app = RouterApp(config)
+        async with serve_in_process(app) as url, httpx.AsyncClient(base_url=url) as client:
+            assert len(await names_of(app, 1)) == 1
+            prefill = {"workers": [{"url": b, "role": "prefill"}]}
+            resp = await client.post("/admin/workers", json=prefill)
+            assert resp.status_code == 200, resp.text
+            assert len(await names_of(app, 2)) == 2
+            # the file then drops its decode worker: no fleet is left to hand off to
+            path.write_text("[]\n")
+            await asyncio.sleep(2.5)  # the watcher re-reads every 2 s
+            assert len(app.pool.handles) == 2
+    # a prefill worker given alone, with no other source of workers, is still refused
+    with pytest.raises(ConfigError, match="decode"):
+        Config(workers=(WorkerConfig(a, role="prefill"),)).validate()

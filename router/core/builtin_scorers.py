@@ -86,6 +86,16 @@ class PlacementParams:
     # again (0: never move a prompt some worker holds part of)
     churn: float = 2.0
 
+    def __post_init__(self) -> None:
+        # out of range, these do not degrade placement: they break it for every new prompt
+        # (a negative slack leaves no worker to place on)
+        for name in ("new_below", "others"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be within 0..1, got {getattr(self, name)}")
+        for name in ("bucket", "slack", "room", "churn"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
 
 class PlacementScorer:
     """Where a new prefix should live. Load spreads requests, but not prefixes: on a fleet

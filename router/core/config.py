@@ -72,6 +72,7 @@ class ScoringConfig:
 
 
 _PEER_ENDPOINT = re.compile(r"^tcp://[^\s:/]+:\d{1,5}$")
+_HEADER_NAME = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")  # an HTTP token (RFC 9110)
 MAX_PROCESSES = 64
 
 
@@ -168,14 +169,14 @@ class Config:
             )
         self._check_scalars()
         self.profile("default")  # scorers, policy and filters: names and parameters
-        validate_workers(self.workers, self.mode)
+        validate_workers(self.workers, self.mode, whole=not (self.workers_file or self.workers_dns))
         return self
 
     def _check_scalars(self) -> None:
         if self.workers_dns is not None:
             host, _, port = self.workers_dns.rpartition(":")
             _check(
-                bool(host) and port.isdigit(),
+                bool(host) and port.isdigit() and 1 <= int(port) <= 65535,
                 "workers_dns",
                 f"{self.workers_dns!r}: use HOST:PORT, e.g. vllm-workers.default.svc:8000",
             )
@@ -241,6 +242,17 @@ class Config:
         self._check_processes()
         for model, spec in self.tokenizers.items():
             _check(bool(model) and bool(spec), f"tokenizers.{model}", "give MODEL: PATH|remote")
+        _check(
+            self.tokenizer != "",
+            "tokenizer",
+            "is empty: give the model's tokenizer folder, or remote to ask the workers' /tokenize",
+        )
+        _check(
+            self.worker_header == "" or _HEADER_NAME.fullmatch(self.worker_header) is not None,
+            "worker_header",
+            f"{self.worker_header!r} is not an HTTP header name (letters, digits and - are; "
+            "'' sends none)",
+        )
         self._check_pd()
 
     def _check_peers(self) -> None:
@@ -375,8 +387,12 @@ def pd_threshold(value: str) -> str | int:
     raise fail("pd_threshold", f"{value!r}: use auto, never or a number of tokens (e.g. 2048)")
 
 
-def validate_workers(workers: tuple[WorkerConfig, ...], mode: str = "auto") -> None:
-    """Every source of workers (config, file, DNS, admin API) goes through this."""
+def validate_workers(
+    workers: tuple[WorkerConfig, ...], mode: str = "auto", whole: bool = True
+) -> None:
+    """Every source of workers (config, file, DNS, admin API) goes through this. `whole`:
+    this is the whole fleet, not one source's part of it (a workers file of prefill workers
+    may hand off to decode workers another source lists)."""
     seen: set[str] = set()
     for i, w in enumerate(workers):
         where = f"workers[{i}]"
@@ -404,7 +420,7 @@ def validate_workers(workers: tuple[WorkerConfig, ...], mode: str = "auto") -> N
         _check(w.engine in ENGINES, f"{where}.engine", f"{w.engine!r} not in {', '.join(ENGINES)}")
     roles = {w.role for w in workers}
     _check(
-        "prefill" not in roles or bool(roles - {"prefill"}),
+        not whole or "prefill" not in roles or bool(roles - {"prefill"}),
         "workers",
         "prefill workers need a decode worker to hand off to: add --decode-worker URL (or a "
         "worker with role decode or both)",

@@ -93,17 +93,24 @@ def _dict(raw: Any, value: Any, path: str) -> dict[str, Any]:
     return {str(k): convert(v, value, f"{path}.{k}") for k, v in raw.items()}
 
 
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
 def _scalar(raw: Any, tp: Any, path: str) -> Any:
     if tp is bool:
         if isinstance(raw, bool):
             return raw
-        if isinstance(raw, str) and raw.lower() in ("1", "true", "yes", "on", "0", "false", "no"):
-            return raw.lower() in ("1", "true", "yes", "on")
+        if isinstance(raw, str) and raw.lower() in _TRUE | _FALSE:
+            return raw.lower() in _TRUE
     elif tp is int:
         if isinstance(raw, int) and not isinstance(raw, bool):
             return raw
-        if isinstance(raw, str) and raw.strip().lstrip("-").isdigit():
-            return int(raw)
+        if isinstance(raw, str):
+            try:
+                return int(raw)
+            except ValueError:
+                pass
     elif tp is float:
         if isinstance(raw, (int, float)) and not isinstance(raw, bool):
             return float(raw)

@@ -46,6 +46,8 @@ from router.upstream import UpstreamPool
 
 log = logging.getLogger("kvroute.pd")
 
+ACTIVE_POLL_S = 1.0  # how soon a fleet's first prefill worker, added after start, is probed
+
 Local = Callable[[Any, Send], Awaitable[None]]
 
 
@@ -94,10 +96,19 @@ class PDDoor:
         ]
 
     async def _calibrate(self) -> None:
-        if self.active and self.config.pd_probe and self.config.pd_threshold != "never":
-            await self.calibration.run()
-        else:
+        if not self.config.pd_probe or pd_threshold(self.config.pd_threshold) == "never":
             self.calibration.state = "off"
+            await self.verifier.baseline(self._decode_endpoints())
+            return
+        if not self.active:
+            self.calibration.state = "off"
+            await self.verifier.baseline(self._decode_endpoints())
+            # prefill workers may join later (a workers file, DNS, the admin API): probe the
+            # link when the first one does, as at start, or splits would go unproved and
+            # /health would say nothing of it
+            while not self.active:
+                await asyncio.sleep(ACTIVE_POLL_S)
+        await self.calibration.run()
         await self.verifier.baseline(self._decode_endpoints())
 
     def _decode_endpoints(self) -> list[str]:
