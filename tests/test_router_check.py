@@ -14,12 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from engines.sim.config import SimConfig
 from engines.sim.fleet import Fleet, fleet_configs, run_fleet
 from router.app import RouterApp
 from router.check.checks_agree import router_samples
+from router.check.checks_gateway import GatewayOptions, run_gateway_checks
 from router.check.cli import main
 from router.check.context import Options, UsageError
 from router.check.model import Finding, Report, Result, Status, failed, passed, verdict, warned
@@ -236,6 +238,23 @@ async def test_unreachable_event_endpoint_fails_with_the_right_endpoint() -> Non
         assert result(report, "events-endpoint", s.name(0)).status is Status.PASS
 
 
+async def test_a_drained_worker_is_out_of_rotation_and_load_spread_skips_it() -> None:
+    async with fleet_and_router() as s:
+        drained, serving = s.name(0), s.name(1)
+        async with httpx.AsyncClient() as client:
+            resp = await client.post(f"{s.url}/admin/workers/{drained}/drain")
+            assert resp.status_code == 200 and resp.json()["draining"] is True
+        report = await check(s.url, skip=frozenset(NAMES) - {"router", "worker", "load-spread"})
+        out = result(report, "worker", drained)
+        assert out.status is Status.WARN and "router: available" not in out.evidence
+        assert f"POST /admin/workers/{drained}/undrain" in out.evidence
+        assert "router: available" in result(report, "worker", serving).evidence
+        spread = result(report, "load-spread")
+        assert spread.status is Status.WARN and f"{drained} draining" in spread.evidence
+        assert "1 draining" in result(report, "router").evidence
+        assert report.exit_code == 0, human(report)
+
+
 # ---- what cannot run is a WARN, and the admin token -----------------------------------------
 
 
@@ -286,12 +305,47 @@ async def test_unreachable_router_exits_2(capsys: pytest.CaptureFixture[str]) ->
         ["--router", "http://127.0.0.1:1", "--margin", "0.5"],
         ["--router", "http://127.0.0.1:1", "--timeout", "0"],
         ["--router", "http://127.0.0.1:1", "--worker", "not-a-url"],
+        ["--router", "http://127.0.0.1:99999"],
+        ["--gateway", "localhost:8080"],
+        ["--gateway", "http://127.0.0.1:99999"],
+        ["--gateway", "http://127.0.0.1:1", "--gateway-admin", "envoy:9901"],
+        ["--gateway", "http://127.0.0.1:1", "--skip", "no-such-check"],
+        ["--gateway", "http://127.0.0.1:1", "--timeout", "0"],
+        ["--gateway", "http://127.0.0.1:1", "--pairs", "0"],
     ],
-    ids=["router-not-a-url", "unknown-skip", "margin-below-1", "zero-timeout", "bad-worker"],
+    ids=[
+        "router-not-a-url",
+        "unknown-skip",
+        "margin-below-1",
+        "zero-timeout",
+        "bad-worker",
+        "router-port-out-of-range",
+        "gateway-not-a-url",
+        "gateway-port-out-of-range",
+        "gateway-admin-not-a-url",
+        "gateway-only-unknown-skip",
+        "gateway-only-zero-timeout",
+        "gateway-only-no-pairs",
+    ],
 )
 def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
     assert capsys.readouterr().err.startswith("router-check: ")
+
+
+async def test_an_unreachable_gateway_is_never_ok(capsys: pytest.CaptureFixture[str]) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    # a gateway check that cannot even finish reached nothing: the run stops there, exit 2
+    stalled = await run_gateway_checks(GatewayOptions(dead, timeout_s=0))
+    assert [(r.name, r.status) for r in stalled.results] == [("gateway", Status.FAIL)]
+    assert stalled.exit_code == 2 and "cannot reach" in (stalled.fatal or "")
+    async with fleet_and_router() as s:
+        router_only = ",".join(n for n in NAMES if n != "router")
+        argv = ["--router", s.url, "--gateway", dead, "--timeout", "2", "--skip", router_only]
+        assert await cli(*argv) == 2
+    out = capsys.readouterr().out
+    assert "PASS  router " in out and f"FAIL  gateway  -  cannot reach {dead}" in out
+    assert out.rstrip().splitlines()[-1].startswith("ERROR: cannot reach")
 
 
 def test_missing_router_is_a_usage_error() -> None:

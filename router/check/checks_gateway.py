@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from router.check.httpio import Fetched, fetch
-from router.check.model import Report, Result, failed, passed, warned
+from router.check.model import Report, Result, Status, failed, passed, warned
 from router.check.prompts import fresh_text
 from router.forward import cached_tokens_of
 
@@ -33,6 +33,7 @@ POLICY_FIX = (
     "clear the route cache (no disable_clear_route_cache, route_cache_action not RETAIN); "
     "`kvroute envoy-config` prints such a bootstrap"
 )
+UNREACHED_FIX = "start the gateway, or correct --gateway"
 SERVED_FIX = (
     "add the response header x-gateway-destination-endpoint-served: %UPSTREAM_HOST% on the "
     "gateway's route (kvroute envoy-config does) so that the served endpoint can be seen"
@@ -63,6 +64,7 @@ class GatewayContext:
         self.http = http
         self.base = opts.gateway.rstrip("/")
         self.model = ""
+        self.answered = False  # the gateway answered at all: the other checks need it
 
     async def get(self, url: str) -> Fetched:
         return await fetch(self.http, "GET", url, timeout=self.opts.timeout_s)
@@ -82,7 +84,8 @@ class GatewayContext:
 async def check_gateway(ctx: GatewayContext) -> Result:
     models = await ctx.get(ctx.base + "/v1/models")
     if models.status is None:
-        return failed("gateway", f"cannot reach {ctx.base}: {models.error}", "check --gateway")
+        return failed("gateway", f"cannot reach {ctx.base}: {models.error}", UNREACHED_FIX)
+    ctx.answered = True
     data = models.body.get("data") if isinstance(models.body, dict) else None
     if not models.ok or not data:
         # the picker answers /v1/models itself: gateway-picker says why it does not
@@ -213,6 +216,7 @@ GATEWAY_CHECKS = (
     ("gateway-kv-routing", check_kv_routing),
     ("gateway-config", check_failure_mode),
 )
+GATEWAY_NAMES = tuple(name for name, _ in GATEWAY_CHECKS)
 
 
 async def run_gateway_checks(opts: GatewayOptions, skip: frozenset[str] = frozenset()) -> Report:
@@ -223,11 +227,21 @@ async def run_gateway_checks(opts: GatewayOptions, skip: frozenset[str] = frozen
             if name in skip:
                 continue
             result = await _bounded(name, check(ctx), 20 * opts.timeout_s)
-            report.results.append(result)
-            if name == "gateway" and result.status.value == "FAIL":
+            if name == "gateway" and not ctx.answered:
+                # whatever stopped it (refused, timed out, an error), nothing was reached:
+                # the later checks would only warn, and a run of warnings reads as OK
+                result = _unreached(ctx, result)
                 report.fatal = result.evidence
+            report.results.append(result)
+            if report.fatal is not None:
                 break
     return report
+
+
+def _unreached(ctx: GatewayContext, result: Result) -> Result:
+    if result.status is Status.FAIL:
+        return result
+    return failed("gateway", f"cannot reach {ctx.base}: {result.evidence}", UNREACHED_FIX)
 
 
 async def _bounded(name: str, run: Any, budget: float) -> Result:

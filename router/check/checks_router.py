@@ -33,9 +33,10 @@ async def check_router(ctx: Context) -> Result:
     assert r.health is not None and r.ready is not None
     entries = r.entries
     available = sum(1 for e in entries if e.get("available"))
+    drained = f", {len(r.draining)} draining" if r.draining else ""
     evidence = (
         f"answers in {r.health.ms:.0f} ms, /ready {r.ready.status}, {len(entries)} workers "
-        f"listed ({available} available), policy {r.policy or '?'}"
+        f"listed ({available} available{drained}), policy {r.policy or '?'}"
     )
     findings = [
         *_ready(r.ready),

@@ -169,9 +169,12 @@ async def check_load_spread(ctx: Context) -> Result:
     """A burst of distinct fresh prompts, sent at once to an idle fleet, does not all land on
     one worker."""
     entries = ctx.router.entries
-    available = sum(1 for e in entries if e.get("available")) if entries else len(ctx.workers)
+    available = len(ctx.router.in_rotation) if entries else len(ctx.workers)
+    drained = ctx.router.draining
+    skipped = f" ({', '.join(drained)} draining, skipped)" if drained else ""
     if available < 2:
-        return warned("load-spread", f"{available} worker available: nothing to spread over")
+        text = f"{available} worker in rotation{skipped}: nothing to spread over"
+        return warned("load-spread", text)
     before = await _busy(ctx)
     prompts = [fresh_text(SPREAD_WORDS, "spread") for _ in range(ctx.opts.burst)]
     sent = await asyncio.gather(*(_send(ctx, p, 8) for p in prompts))
@@ -179,15 +182,15 @@ async def check_load_spread(ctx: Context) -> Result:
     if broken is not None:
         evidence = f"a burst request failed: HTTP {broken.status} {broken.error}"
         return failed("load-spread", evidence, "see the router's log and GET /health")
-    return _judge_spread(ctx, sent, available, before)
+    return _judge_spread(ctx, sent, f"{available} workers{skipped}", before)
 
 
 def _judge_spread(
-    ctx: Context, sent: list[Streamed], available: int, before: dict[str, float] | None
+    ctx: Context, sent: list[Streamed], over: str, before: dict[str, float] | None
 ) -> Result:
     placed = Counter(s.worker or "?" for s in sent)
     spread = ", ".join(f"{w} {n}" for w, n in placed.most_common())
-    evidence = f"{len(sent)} distinct prompts at once over {available} workers: {spread}"
+    evidence = f"{len(sent)} distinct prompts at once over {over}: {spread}"
     if "?" in placed:
         return warned("load-spread", evidence + f" (no {ctx.opts.worker_header} header)")
     if len(placed) > 1:

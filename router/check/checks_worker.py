@@ -4,6 +4,7 @@ event sockets answer."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from engines.vllm.hints import KV_EVENTS_FLAG, PREFIX_CACHING_FIX
 from router.check.context import Context, WorkerFacts
@@ -48,8 +49,14 @@ def _router_view(ctx: Context, w: WorkerFacts) -> list[Finding]:
             if not ctx.router.entries
             else [Finding(Status.FAIL, "the router does not list this worker", _ADD)]
         )
-    if w.entry.get("available"):
-        return [Finding(Status.PASS, f"router: available, mode {w.entry.get('mode')}")]
+    return [*_availability(w, w.entry), *_drained(w, w.entry)]
+
+
+def _availability(w: WorkerFacts, entry: dict[str, Any]) -> list[Finding]:
+    if entry.get("available"):
+        if entry.get("draining"):
+            return []  # reachable, yet out of rotation: `_drained` says so
+        return [Finding(Status.PASS, f"router: available, mode {entry.get('mode')}")]
     last = (w.report or {}).get("last_error", "")
     return [
         Finding(
@@ -58,6 +65,18 @@ def _router_view(ctx: Context, w: WorkerFacts) -> list[Finding]:
             "let the router reach the worker's URL (network policy, DNS, TLS)",
         )
     ]
+
+
+def _drained(w: WorkerFacts, entry: dict[str, Any]) -> list[Finding]:
+    """An operator's drain is deliberate (a rolling update), so a WARN, not a FAIL: the
+    router sends the worker nothing new until it is undrained."""
+    if not entry.get("draining"):
+        return []
+    text = (
+        f"router: draining, out of rotation (POST /admin/workers/{w.name}/drain): it gets no "
+        f"new requests until POST /admin/workers/{w.name}/undrain"
+    )
+    return [Finding(Status.WARN, text)]
 
 
 _ADD = "add the worker to kvroute serve (--worker URL, or workers: in kvroute.yaml)"

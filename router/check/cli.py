@@ -7,8 +7,9 @@ import asyncio
 import os
 import sys
 
-from router.check.checks_gateway import GatewayOptions, run_gateway_checks
+from router.check.checks_gateway import GATEWAY_NAMES, GatewayOptions, run_gateway_checks
 from router.check.context import WORKER_HEADER, Options, UsageError
+from router.check.model import Report
 from router.check.render import as_json, human
 from router.check.runner import CHECKS, NAMES, run_checks
 
@@ -28,12 +29,13 @@ def _epilog() -> str:
     return f"""\
 checks, in order (skip any with --skip NAME):
 {checks}
+  with --gateway: {", ".join(GATEWAY_NAMES)}
 
 Every line says PASS, WARN (could not run, or works with a caveat) or FAIL, with the
 evidence in numbers; every FAIL says what to change.
 
 exit status: 0 every check passed (warnings allowed), 1 a check failed,
-             2 bad usage or the router is unreachable
+             2 bad usage, or the router or the gateway is unreachable
 
 examples:
   router-check --router http://127.0.0.1:8000
@@ -117,10 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def options(args: argparse.Namespace) -> Options:
+    """Every option, judged the same way whichever checks run (--router, --gateway or both):
+    a bad value is a usage error before anything is dialled."""
     skip = {s.strip() for raw in args.skip for s in raw.split(",") if s.strip()}
-    unknown = sorted(skip - set(NAMES))
+    known = (*NAMES, *GATEWAY_NAMES)
+    unknown = sorted(skip - set(known))
     if unknown:
-        raise UsageError(f"--skip {', '.join(unknown)}: unknown; checks are {', '.join(NAMES)}")
+        raise UsageError(f"--skip {', '.join(unknown)}: unknown; checks are {', '.join(known)}")
     return Options(
         router=args.router,
         workers=tuple(args.worker),
@@ -132,6 +137,8 @@ def options(args: argparse.Namespace) -> Options:
         burst=args.burst,
         prompt_tokens=args.prompt_tokens,
         worker_header=args.worker_header.lower(),
+        gateway=args.gateway,
+        gateway_admin=args.gateway_admin,
     ).validate()
 
 
@@ -140,33 +147,31 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)  # exits 2 on bad usage
     if args.router is None and args.gateway is None:
         parser.error("give --router URL, --gateway URL, or both")
-    if args.router is None:
-        return _gateway_only(args)
     try:
         opts = options(args)
     except UsageError as exc:
         print(f"router-check: {exc}", file=sys.stderr)
         return 2
-    report = asyncio.run(run_checks(opts))
-    if args.gateway:
-        gateway = asyncio.run(run_gateway_checks(_gateway_options(args)))
-        report.results += gateway.results
+    report = asyncio.run(run_all(opts))
     print(as_json(report) if args.json else human(report), flush=True)
     if report.fatal is not None and args.json:
         print(f"router-check: {report.fatal}", file=sys.stderr)
     return report.exit_code
 
 
-def _gateway_options(args: argparse.Namespace) -> GatewayOptions:
-    return GatewayOptions(
-        args.gateway, args.gateway_admin, timeout_s=args.timeout, pairs=args.pairs
-    )
+async def run_all(opts: Options) -> Report:
+    """The router's checks, then the gateway's, as far as `opts` names each."""
+    report = await run_checks(opts) if opts.router else Report(opts.gateway or "")
+    if opts.gateway:
+        gateway = await run_gateway_checks(_gateway_options(opts), opts.skip)
+        report.results += gateway.results
+        report.fatal = report.fatal or gateway.fatal
+    return report
 
 
-def _gateway_only(args: argparse.Namespace) -> int:
-    report = asyncio.run(run_gateway_checks(_gateway_options(args)))
-    print(as_json(report) if args.json else human(report), flush=True)
-    return report.exit_code
+def _gateway_options(opts: Options) -> GatewayOptions:
+    assert opts.gateway is not None
+    return GatewayOptions(opts.gateway, opts.gateway_admin, opts.timeout_s, opts.pairs)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,10 @@ class UsageError(ValueError):
 
 @dataclass(frozen=True)
 class Options:
-    router: str
+    """Every option of a run, the router's checks and the gateway's alike, so that one
+    `validate` judges them whichever run (`run_checks` needs `router`)."""
+
+    router: str | None = None
     workers: tuple[str, ...] = ()
     timeout_s: float = 10.0
     skip: frozenset[str] = frozenset()
@@ -38,11 +41,19 @@ class Options:
     burst: int = 8
     prompt_tokens: int = 1500
     worker_header: str = WORKER_HEADER
+    gateway: str | None = None
+    gateway_admin: str | None = None
 
     def validate(self) -> Options:
-        _need(_is_http(self.router), f"--router {self.router!r}: give http(s)://HOST:PORT")
-        for url in self.workers:
-            _need(_is_http(url), f"--worker {url!r}: give http(s)://HOST:PORT")
+        _need(bool(self.router or self.gateway), "give --router URL, --gateway URL, or both")
+        urls = [
+            ("--router", self.router),
+            ("--gateway", self.gateway),
+            ("--gateway-admin", self.gateway_admin),
+            *(("--worker", url) for url in self.workers),
+        ]
+        for flag, url in urls:
+            _need(url is None or _is_http(url), f"{flag} {url!r}: give http(s)://HOST:PORT")
         _need(self.timeout_s > 0, "--timeout must be a positive number of seconds")
         _need(self.margin >= 1.0, "--margin is a speed-up ratio: 1.0 or more (e.g. 1.5)")
         _need(1 <= self.pairs <= 20, "--pairs must be 1..20")
@@ -58,7 +69,11 @@ def _need(ok: bool, message: str) -> None:
 
 def _is_http(url: str) -> bool:
     parts = urlsplit(url)
-    return parts.scheme in ("http", "https") and bool(parts.hostname)
+    try:
+        port = parts.port
+    except ValueError:  # out of range or not a number: nothing could dial it
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and port != 0
 
 
 def worker_name(url: str) -> str:
@@ -86,6 +101,15 @@ class RouterFacts:
         doc = self.health.body if self.health is not None else None
         workers = doc.get("workers") if isinstance(doc, dict) else None
         return [w for w in workers or [] if isinstance(w, dict)]
+
+    @property
+    def in_rotation(self) -> list[dict[str, Any]]:
+        """The workers the router may pick: available, and not drained by an operator."""
+        return [e for e in self.entries if e.get("available") and not e.get("draining")]
+
+    @property
+    def draining(self) -> list[str]:
+        return [str(e.get("name")) for e in self.entries if e.get("draining")]
 
     @property
     def policy(self) -> str | None:
@@ -189,6 +213,7 @@ class Context:
 
     @property
     def base(self) -> str:
+        assert self.opts.router is not None  # run_checks refuses options without a router
         return self.opts.router.rstrip("/")
 
     def admin_headers(self) -> dict[str, str]:

@@ -27,6 +27,7 @@ from router.check.checks_worker import (
 from router.check.context import (
     Context,
     Options,
+    UsageError,
     WorkerFacts,
     load_router,
     load_worker,
@@ -102,6 +103,8 @@ async def run_checks(opts: Options) -> Report:
     """Run every check not in `opts.skip` against the live router; never raises for what
     the fleet does (that is what the report is for)."""
     opts = opts.validate()
+    if opts.router is None:
+        raise UsageError("give --router URL: its checks read the router")
     zmq_ctx = zmq.asyncio.Context()
     try:
         async with httpx.AsyncClient(follow_redirects=True) as http:
@@ -111,7 +114,7 @@ async def run_checks(opts: Options) -> Report:
 
 
 async def _run(ctx: Context) -> Report:
-    report = Report(ctx.opts.router)
+    report = Report(ctx.base)
     await load_router(ctx)
     health = ctx.router.health
     assert health is not None
