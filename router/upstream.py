@@ -110,7 +110,10 @@ class _Conn(asyncio.Protocol):
 
     def _ends_at_close(self) -> bool:
         """The response head arrived and gave neither a length nor chunked framing."""
-        if self.error is not None or not self.head.done() or self.head.exception() is not None:
+        head = self.head
+        if self.error is not None or not head.done() or head.cancelled():
+            return False
+        if head.exception() is not None:
             return False
         for name, value in self.headers:
             if name == b"content-length":

@@ -204,3 +204,41 @@ async def test_debug_route_explains_the_pd_decision() -> None:
         assert doc["profile"] == "decode" and doc["winner"] == s.names["decode"]
         assert doc["pd"]["decision"] == "local" and doc["pd"]["reason"] == "link_unknown"
         assert "uncached tokens" in doc["pd"]["explain"]
+
+
+def _stalls_after_head() -> Any:
+    """A JSON answer whose head comes and whose body stops partway (a hung engine)."""
+
+    async def handle(w: Any, seen: Any, send: Any) -> None:
+        head = [(b"content-type", b"application/json"), (b"content-length", b"1000")]
+        await send({"type": "http.response.start", "status": 200, "headers": head})
+        await send({"type": "http.response.body", "body": b'{"choices":[', "more_body": True})
+        await seen.gone.wait()
+
+    return handle
+
+
+async def test_a_decode_leg_whose_body_stalls_frees_its_load() -> None:
+    async with pd_router(prefill_ok(), _stalls_after_head(), inter_chunk_timeout_s=0.5) as s:
+        r = await s.client.post("/v1/completions", json={**CLIENT, "stream": False})
+        assert r.status_code == 504
+        load = s.app.fleet.load.known(s.names["decode"])
+        assert (load.requests, load.prefill_tokens, load.decode_blocks) == (0, 0, 0)
+        assert await s.metric('kvroute_inflight_requests{worker="' + s.names["decode"]) == 0
+
+
+async def test_a_prefill_leg_whose_body_stalls_is_aborted_and_prefilled_locally() -> None:
+    async with pd_router(_stalls_after_head(), decode_stream(), inter_chunk_timeout_s=0.5) as s:
+        status, text, _ = await sse(s.client, CLIENT)
+        assert status == 200 and "t2" in text
+        # the engine is told at once, so it frees the prefill's KV instead of holding it
+        await asyncio.wait_for(s.prefill.seen[0].gone.wait(), 3)
+        assert await s.metric('kvroute_pd_local_fallbacks_total{cause="prefill_timeout"}') == 1
+
+
+async def test_a_decode_leg_refused_counts_its_prefill_orphaned() -> None:
+    async with pd_router(prefill_ok(), prefill_status(503)) as s:
+        status, _, _ = await sse(s.client, CLIENT)
+        assert status == 503
+        assert "kv_transfer_params" in s.decode.seen[0].body  # it was asked to pull
+        assert await s.metric("kvroute_pd_orphaned_prefills_total") == 1

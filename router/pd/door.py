@@ -264,8 +264,14 @@ class PDDoor:
     ) -> None:
         worker = plan.decode
         h = self.pool.handle_of(worker)
-        state = self.svc.fleet.workers[worker]
-        assert h is not None
+        state = self.svc.fleet.workers.get(worker)
+        if h is None or state is None:
+            # removed while the prefill ran (the admin API, a workers file, DNS): nobody
+            # will pull that KV; the proxy's way decides again among the workers left
+            self.metrics.orphans.labels(plan.prefill or "?", "decode_removed").inc()
+            self.metrics.fallbacks.labels("decode_removed").inc()
+            await local(r, send)
+            return
         body = r.body if self.config.pd_fault_strip_params else decode_body(r.body, params)
         timeouts = decode_timeouts(
             self.config, r.rin.stream, self.model.transfer_ms(plan.uncached), plan.uncached
@@ -294,6 +300,12 @@ class PDDoor:
         except UpstreamError:
             self._decode_gone(r, plan, ticket, "worker_failed")
             raise
+        except UpstreamTimeout:  # its head came, its whole answer did not
+            self._decode_gone(r, plan, ticket, "timeout")
+            raise
+        except BaseException:
+            self._decode_gone(r, plan, ticket, "error")
+            raise
         finally:
             self.verifier.ended(worker, proved)
 
@@ -306,6 +318,8 @@ class PDDoor:
         if result.status != 200 or result.broken is not None:
             cause = result.broken or f"http_{result.status}"
             self.metrics.decode_errors.labels(plan.decode, cause).inc()
+            if r.first_byte is None or result.status != 200:  # refused: it pulled nothing
+                self.metrics.orphans.labels(plan.prefill or "?", "decode_failed").inc()
             return None
         return self._learn_split(r, plan, sent)
 

@@ -88,7 +88,13 @@ async def prefill_leg(
         resp = await upstream.request(
             h.host, h.port, b"POST", r.target, with_rank(r.headers, rank), body, h.tls, timeouts
         )
-        data = await resp.read()
+        try:
+            data = await resp.read()
+        except BaseException:
+            # closing tells the engine to abort the request, and frees its KV now rather
+            # than when its lease ends
+            resp.close()
+            raise
     except UpstreamConnectError as exc:
         raise LegFailed("prefill_failed", f"connect: {exc}") from None
     except UpstreamClosed as exc:
