@@ -134,12 +134,13 @@ def decode_stream(
 
     async def handle(w: FakeWorker, seen: Seen, send: Send) -> None:
         params = seen.body.get("kv_transfer_params")
+        # whole blocks: the prompt, at least
+        n = len(params["remote_block_ids"][0]) * BLOCK if params else 200
         if pull and params:
-            n = len(params["remote_block_ids"][0]) * BLOCK  # whole blocks: the prompt, at least
             w.external_tokens += n
             w.nixl_bytes += n * 1024
         else:
-            w.local_tokens += 200
+            w.local_tokens += n  # recomputed: the whole prompt
         await asyncio.sleep(delay_s)
         headers = [(b"content-type", b"text/event-stream")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})

@@ -248,35 +248,41 @@ def test_at_nvlink_speed_the_seeds_model_splits_above_two_hundred_tokens() -> No
 # ---- the ledger -------------------------------------------------------------------------------
 
 
-def snap(external: float, nbytes: float = 0.0, failed: float = 0.0) -> PDSnapshot:
+def snap(
+    external: float, nbytes: float = 0.0, failed: float = 0.0, computed: float = 0.0
+) -> PDSnapshot:
     return PDSnapshot(
         bytes_transferred=nbytes,
         transfers=1 if nbytes else 0,
         xfer_seconds=nbytes / 1e9,
         external_kv_transfer=external,
         failed_transfers=failed,
+        local_compute=computed,
     )
 
 
 @pytest.mark.parametrize(
-    ("expected", "growth", "verified", "silent"),
+    ("expected", "growth", "computed", "verified", "silent"),
     [
-        ([500], 500, 1, 0),
-        ([500, 500], 1000, 2, 0),
-        ([500], 0, 0, 1),  # stripped params: nothing pulled
-        ([500, 500], 500, 1, 1),
-        ([500], 300, 1, 0),  # the decode worker had more cached than the index knew
+        ([500], 500, 0, 1, 0),
+        ([500, 500], 1000, 0, 2, 0),
+        ([500], 0, 500, 0, 1),  # stripped params: nothing pulled, all of it computed
+        ([500, 500], 500, 500, 1, 1),
+        ([500], 300, 0, 1, 0),  # the decode worker had more cached than the index knew
+        # two splits sharing a prefix: the second pulled its tail and found the rest cached
+        ([500, 500], 560, 0, 2, 0),
+        ([500, 500], 560, 30, 2, 0),  # its tail's last block computed, as ever
     ],
-    ids=["one", "two", "silent", "one-of-two", "partly-cached"],
+    ids=["one", "two", "silent", "one-of-two", "partly-cached", "siblings", "siblings-tail"],
 )
 def test_ledger_proves_or_counts(
-    expected: list[int], growth: float, verified: int, silent: int
+    expected: list[int], growth: float, computed: float, verified: int, silent: int
 ) -> None:
     ledger = Ledger()
     ledger.apply(snap(1000))
     for t in expected:
         ledger.expect(t)
-    out = ledger.apply(snap(1000 + growth, growth * 1024))
+    out = ledger.apply(snap(1000 + growth, growth * 1024, computed=computed))
     assert (out.verified, out.silent) == (verified, silent)
     assert ledger.pending_splits == 0
 

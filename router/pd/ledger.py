@@ -10,6 +10,12 @@ pulled and checks them against each new snapshot of its metrics.
 External tokens can show up before the split that pulled them completes (the pull comes
 before the first token), so tokens seen ahead of completions are carried to the next check
 while decode legs are still running there.
+
+Tokens a split did not pull count against it only as far as the decode worker computed
+tokens itself (`local_compute`): a silent recompute computes the whole prompt, while a split
+whose sibling's pull filled the decode worker's cache first pulls just its tail and finds
+the rest there (`local_cache_hit`). Judged by pulls alone, concurrent splits sharing a
+prefix were reported as silent recomputes and /health went degraded.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class Ledger:
     pending_splits: int = 0
     inflight: int = 0  # decode legs running there now
     carry: float = 0.0  # external tokens seen before their split completed
+    computed_carry: float = 0.0  # tokens computed there while its decode legs ran
 
     def expect(self, tokens: int) -> None:
         """A split completed there; its pull must show up."""
@@ -64,19 +71,25 @@ class Ledger:
             xfer_seconds=delta.xfer_seconds,
             external_tokens=delta.external_kv_transfer,
         )
-        self._settle(delta.external_kv_transfer + self.carry, out)
+        self._settle(
+            delta.external_kv_transfer + self.carry, delta.local_compute + self.computed_carry, out
+        )
         return out
 
-    def _settle(self, observed: float, out: Outcome) -> None:
+    def _settle(self, observed: float, computed: float, out: Outcome) -> None:
         expected = self.pending_tokens
         out.expected_tokens, out.observed_tokens = expected, observed
         if expected == 0:
             self.carry = observed if self.inflight else 0.0
+            self.computed_carry = computed if self.inflight else 0.0
             return
+        self.computed_carry = 0.0
         per_split = expected / self.pending_splits
-        # a split counts as silent when more than half its tokens never arrived (a real
-        # pull may fall short by what the decode worker had cached beyond the index's view)
-        missing = max(expected - observed, 0.0) / per_split
+        # a split counts as silent when more than half its tokens never arrived and were
+        # computed instead (a real pull may fall short by what the decode worker had cached
+        # beyond the index's view, or by what a sibling's pull had just put there)
+        unpulled = min(max(expected - observed, 0.0), computed)
+        missing = unpulled / per_split
         out.silent = min(self.pending_splits, int(missing + PROVED_FRACTION - 1e-9))
         out.verified = self.pending_splits - out.silent
         self.carry = max(observed - expected, 0.0) if self.inflight and not out.silent else 0.0
@@ -84,4 +97,4 @@ class Ledger:
 
     def _clear(self) -> None:
         self.pending_tokens = self.pending_splits = 0
-        self.carry = 0.0
+        self.carry = self.computed_carry = 0.0
