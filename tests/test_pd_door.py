@@ -242,3 +242,20 @@ async def test_a_decode_leg_refused_counts_its_prefill_orphaned() -> None:
         assert status == 503
         assert "kv_transfer_params" in s.decode.seen[0].body  # it was asked to pull
         assert await s.metric("kvroute_pd_orphaned_prefills_total") == 1
+
+
+async def test_prefill_legs_failing_in_a_row_degrade_health_and_say_so_per_response() -> None:
+    async with pd_router(prefill_status(500), decode_stream()) as s:
+        for i in range(3):
+            status, text, headers = await sse(s.client, {**CLIENT, "prompt": f"{i} {PROMPT}"})
+            assert status == 200 and "t2" in text
+            assert headers["x-kvroute-pd"] == (
+                f"local reason=prefill_fallback cause=prefill_failed prefill={s.names['prefill']}"
+            )
+        doc = (await s.client.get("/health")).json()
+        assert doc["status"] == "degraded" and doc["pd"]["workers"] == [s.names["prefill"]]
+        assert "its last 3 prefill legs failed" in doc["pd"]["problems"][0]
+        s.prefill.handler = prefill_ok()  # mended: one good leg clears it
+        status, _, headers = await sse(s.client, {**CLIENT, "prompt": f"ok {PROMPT}"})
+        assert status == 200 and headers["x-kvroute-pd"].startswith("split prefill=")
+        assert s.names["prefill"] not in (await s.client.get("/health")).json()["pd"]["workers"]

@@ -27,7 +27,7 @@ from router.core.errors import BadRequest, NoWorkerAvailable, UpstreamError, Ups
 from router.forward import ConnectFailed, Forwarder, Outcome
 from router.openai_req import RoutingInput
 from router.pd import model as m
-from router.pd.calibrate import Calibration
+from router.pd.calibrate import PROBE_FIX, Calibration
 from router.pd.legs import (
     ClientRequest,
     LegFailed,
@@ -47,6 +47,9 @@ from router.upstream import UpstreamPool
 log = logging.getLogger("kvroute.pd")
 
 ACTIVE_POLL_S = 1.0  # how soon a fleet's first prefill worker, added after start, is probed
+# prefill legs failing in a row on one worker before /health names it (one failure can be a
+# restart or a blip; every one of them costs a second prefill)
+PREFILL_FAILURES_DEGRADE = 3
 
 Local = Callable[[Any, Send], Awaitable[None]]
 
@@ -77,6 +80,8 @@ class PDDoor:
         )
         self.metrics = PDMetrics(registry, self.model.snapshot)
         self.verifier = Verifier(self.pool, self.model, self.metrics)
+        # prefill worker -> (legs failed in a row there, the last failure)
+        self._prefill_failures: dict[str, tuple[int, str]] = {}
         self.calibration = Calibration(self.pool, self.model)
         self._tasks: list[asyncio.Task[None]] = []
         if config.pd_fault_strip_params:
@@ -171,11 +176,10 @@ class PDDoor:
         self.metrics.decisions.labels("split" if plan.split else "local", plan.reason).inc()
         if log.isEnabledFor(logging.DEBUG):
             log.debug("request %s: %s", r.request_id.decode(errors="replace"), plan.explain())
-        send = tagged(send, plan)
         if plan.split and pdec is not None:
             await self._split(r, send, local, plan, pdec, doc)
         else:
-            await self._local(r, send, local, plan)
+            await self._local(r, tagged(send, plan), local, plan)
 
     async def _local(
         self, r: ClientRequest, send: Send, local: Local, plan: m.Plan, learn: bool = True
@@ -206,21 +210,23 @@ class PDDoor:
     ) -> None:
         assert plan.prefill is not None
         answer = await self._prefill(r, plan, pdec, doc)
-        if answer is None:
-            await self._local(r, send, local, plan, learn=False)
+        if isinstance(answer, str):
+            await self._local(r, tagged(send, plan, fallback=answer), local, plan, learn=False)
             return
         self.metrics.prefill_leg.observe(answer.seconds)
-        await self._decode(r, send, local, plan, answer.params)
+        await self._decode(r, tagged(send, plan), local, plan, answer.params)
 
     async def _prefill(
         self, r: ClientRequest, plan: m.Plan, pdec: Decision, doc: dict[str, Any]
-    ) -> PrefillAnswer | None:
+    ) -> PrefillAnswer | str:
+        """The prefill leg's answer, or why it failed (the request is prefilled locally)."""
         worker = plan.prefill
         assert worker is not None
         h = self.pool.handle_of(worker)
-        state = self.svc.fleet.workers[worker]
-        if h is None:
-            return None
+        state = self.svc.fleet.workers.get(worker)
+        if h is None or state is None:  # removed since the decision
+            self.metrics.fallbacks.labels("prefill_removed").inc()
+            return "prefill_removed"
         ticket = self.svc.start(pdec, worker)
         try:
             answer = await prefill_leg(
@@ -228,13 +234,14 @@ class PDDoor:
             )
         except LegFailed as exc:
             self._prefill_failed(worker, ticket, exc)
-            return None
+            return exc.cause
         except asyncio.CancelledError:
             self.svc.finish(ticket, status=0, outcome="client_disconnected")
             raise
         self.svc.first_token(ticket)
         self.svc.finish(ticket, status=200, cached_tokens=answer.cached_tokens)
         self.pool.note_answered(worker)
+        self._prefill_failures.pop(worker, None)
         s = pdec.score_of(worker)
         cached = cached_tokens(s, pdec.prompt_tokens)
         self.model.observe_prefill(
@@ -252,6 +259,8 @@ class PDDoor:
             outcome = "timeout" if exc.cause == "prefill_timeout" else "connect_failed"
             self.svc.finish(ticket, status=0, outcome=outcome)
         self.metrics.fallbacks.labels(exc.cause).inc()
+        count, _ = self._prefill_failures.get(worker, (0, ""))
+        self._prefill_failures[worker] = (count + 1, f"{exc.cause}: {exc.detail}")
         if exc.orphan:
             self.metrics.orphans.labels(worker, "bad_params").inc()
         if exc.cause == "prefill_timeout":
@@ -390,6 +399,19 @@ class PDDoor:
             out["prefill_explain"] = pdec.explain()
         return out
 
+    def _prefill_problems(self) -> dict[str, tuple[str, str]]:
+        """Prefill workers whose last legs all failed: each of their splits is prefilled
+        twice (there, then on the decode worker), which only this shows."""
+        out: dict[str, tuple[str, str]] = {}
+        for worker, (count, last) in self._prefill_failures.items():
+            if count >= PREFILL_FAILURES_DEGRADE and worker in self.svc.fleet.workers:
+                text = (
+                    f"prefill worker {worker}: its last {count} prefill legs failed (last: "
+                    f"{last}); those requests were prefilled again on their decode worker"
+                )
+                out[worker] = (text, PROBE_FIX)
+        return out
+
     def health(self) -> dict[str, Any] | None:
         """The P/D part of `/health` (None without prefill workers): degraded, with the
         decode workers named, when a split was not proved or a pull failed."""
@@ -397,6 +419,7 @@ class PDDoor:
             return None
         problems = self.verifier.problems()
         problems |= self.calibration.problems()
+        problems |= self._prefill_problems()
         doc: dict[str, Any] = {
             "status": "degraded" if problems else "ok",
             "threshold": self.config.pd_threshold,

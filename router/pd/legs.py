@@ -159,14 +159,16 @@ def reached_worker(exc: ConnectFailed) -> bool:
     return isinstance(exc, WorkerTimedOut) or not exc.detail.startswith("connect to")
 
 
-def tagged(send: Send, plan: Plan) -> Send:
-    """The response names the P/D decision: `x-kvroute-pd: split prefill=W` or
-    `local reason=R`."""
-    value = (
-        f"split prefill={plan.prefill} reason={plan.reason}"
-        if plan.split
-        else f"local reason={plan.reason}"
-    ).encode()
+def tagged(send: Send, plan: Plan, fallback: str | None = None) -> Send:
+    """The response names the P/D decision: `x-kvroute-pd: split prefill=W`, `local
+    reason=R`, or for a split whose prefill leg failed, `local reason=prefill_fallback
+    cause=C prefill=W` (it was prefilled on the decode worker after all)."""
+    if fallback is not None:
+        value = f"local reason=prefill_fallback cause={fallback} prefill={plan.prefill}".encode()
+    elif plan.split:
+        value = f"split prefill={plan.prefill} reason={plan.reason}".encode()
+    else:
+        value = f"local reason={plan.reason}".encode()
 
     async def tagged_send(message: Message) -> None:
         if message["type"] == "http.response.start":
