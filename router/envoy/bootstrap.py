@@ -18,8 +18,9 @@ What it wires, and why:
 - The served endpoint goes back to the picker as the response header
   `x-gateway-destination-endpoint-served` (%UPSTREAM_HOST%), which it reads for load
   accounting.
-- Body-size limit = the connection buffer limit (Envoy answers 413 above it); no overall
-  route timeout (generations take minutes) but an idle timeout per stream.
+- Body-size limit = the connection buffer limit (Envoy answers 413 above it, in the same
+  OpenAI-shaped JSON the picker answers it with in full duplex: `local_reply_config`); no
+  overall route timeout (generations take minutes) but an idle timeout per stream.
 - Workers that join later: a hostname worker (a headless Service) makes the cluster
   STRICT_DNS, re-resolved every 5 s; with `eds_path` the cluster reads its members from a
   file Envoy watches (rewrite it with `write_eds`, atomically) -- no restart either way.
@@ -28,6 +29,7 @@ What it wires, and why:
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import tempfile
 from dataclasses import dataclass
@@ -37,7 +39,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from router.core.errors import ConfigError
+from router.core.errors import ConfigError, PayloadTooLarge
 
 WORKERS = "kvroute_workers"
 PICKER = "kvroute_picker"
@@ -45,6 +47,8 @@ DEST = "x-gateway-destination-endpoint"
 SERVED = "x-gateway-destination-endpoint-served"
 CLIENT_ROUTING_HEADERS = (DEST, "x-gateway-destination-endpoint-subset", SERVED)
 PICKER_HEALTH_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+# Envoy's response code details for its own 413, a request body over the buffer limit
+ENVOY_BODY_TOO_LARGE = "request_payload_too_large"
 T = "type.googleapis.com/"
 
 
@@ -145,6 +149,7 @@ def _listener(cfg: GatewayConfig) -> dict[str, Any]:
         "stream_idle_timeout": f"{cfg.stream_idle_timeout_s}s",
         "request_timeout": "0s",
         "route_config": _routes(cfg),
+        "local_reply_config": _local_replies(cfg),
         "http_filters": [
             _strip_filter(),
             *([_ext_proc_filter(cfg)] if cfg.ext_proc is not None else []),
@@ -191,6 +196,29 @@ def _routes(cfg: GatewayConfig) -> dict[str, Any]:
                 "response_headers_to_add": [served],
             }
         ],
+    }
+
+
+def _local_replies(cfg: GatewayConfig) -> dict[str, Any]:
+    """Envoy's own 413 answered as kvroute answers bad input: OpenAI-shaped JSON, the body
+    the picker sends for an oversized body in full duplex. Matched on Envoy's response code
+    details, not on the status: the picker's immediate responses are local replies too (a 413
+    of its own keeps its body), and a worker's 413 is not a local reply at all."""
+    too_large = PayloadTooLarge(f"request body over {cfg.max_body_bytes} bytes")
+    only_envoys_own = {
+        "name": "envoy.access_loggers.extension_filters.cel",
+        "typed_config": {
+            "@type": T + "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+            "expression": f"response.code_details == '{ENVOY_BODY_TOO_LARGE}'",
+        },
+    }
+    body = {
+        # a literal: the message has no '%', so Envoy substitutes nothing in it
+        "text_format": json.dumps(too_large.body()),
+        "content_type": "application/json",
+    }
+    return {
+        "mappers": [{"filter": {"extension_filter": only_envoys_own}, "body_format_override": body}]
     }
 
 

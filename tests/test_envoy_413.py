@@ -1,0 +1,45 @@
+"""A request body over the limit behind a real Envoy is an OpenAI-shaped JSON 413 in both body
+modes: in buffered mode Envoy itself refuses it (its buffer limit), in full duplex the picker
+does, and the client cannot tell which. The picker's own 413 keeps its own body."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import extproc_standin
+import pytest
+from gateway_harness import gateway, standin_service
+
+from router.core.errors import PayloadTooLarge
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+LIMIT = 256 * 1024
+SERVED = "x-gateway-destination-endpoint-served"
+
+
+@pytest.mark.parametrize("mode", ["buffered", "full-duplex"])
+async def test_oversized_body_is_an_openai_json_413(mode: str) -> None:
+    async with gateway(body_mode=mode, max_body_bytes=LIMIT) as gw:
+        resp = await gw.complete("x " * 200_000)
+        assert resp.status_code == 413
+        assert resp.headers["content-type"] == "application/json"
+        assert resp.json() == PayloadTooLarge(f"request body over {LIMIT} bytes").body()
+        assert not gw.svc.tickets and SERVED not in resp.headers  # no worker saw it
+
+
+class RefusesEverything(extproc_standin.DecisionService):
+    async def decide(self, rin: Any, *, profile: str = "default", constraints: Any = None) -> Any:
+        raise PayloadTooLarge("the picker's own limit")
+
+
+def refuses_everything(addresses: list[str]) -> Any:
+    return RefusesEverything(addresses, models=standin_service([]).models)
+
+
+async def test_the_pickers_own_413_keeps_its_body() -> None:
+    """An ext_proc immediate response is an Envoy local reply too: the mapper must not
+    replace the picker's message with Envoy's buffer-limit one."""
+    async with gateway(max_body_bytes=LIMIT, make_service=refuses_everything) as gw:
+        resp = await gw.complete("short")
+        assert resp.status_code == 413
+        assert resp.json() == PayloadTooLarge("the picker's own limit").body()
