@@ -161,6 +161,8 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._forward)
         try:
             for i in range(self.count):
+                if self.stopping:  # a signal came while the first ones started
+                    break
                 self._spawn(i)
             return self._watch()
         finally:
@@ -172,7 +174,7 @@ class Supervisor:
 
         codes: dict[int, int] = {}
         quick: dict[int, int] = {}  # deaths in a row within QUICK_DEATH_S of a start
-        while len(codes) < self.count:
+        while len(codes) < len(self.children):
             time.sleep(0.2)
             for i, child in list(self.children.items()):
                 code = child.poll()
@@ -193,6 +195,9 @@ class Supervisor:
                     self._forward(signal.SIGTERM, None)
                     return code or 1
                 time.sleep(RESTART_BACKOFF_S)
+                if self.stopping:  # stopped during the back-off: a new child would miss it
+                    codes[i] = code
+                    continue
                 self._spawn(i)
         return max(codes.values(), default=0)
 

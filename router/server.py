@@ -8,7 +8,10 @@
   answers /ready 503 (the Service stops sending it traffic) and closes every connection after
   its response (`Connection: close`), so no idle keep-alive connection is left for a client
   to race a request into. Then the listener closes, in-flight requests and streams get up to
-  `drain_timeout_s` to finish, and the process exits 0. A second signal stops at once.
+  `drain_timeout_s` to finish, and the process exits 0. A second signal stops at once,
+  except a second SIGTERM in a `--processes` child: the supervisor forwards the SIGTERM it
+  gets, and a signal sent to the whole process group (systemd's control-group kill, `kill
+  -TERM -PGID`) reaches the child too, so two arrive for one stop.
 """
 
 from __future__ import annotations
@@ -120,14 +123,21 @@ def server_config(
 
 class DrainingServer(uvicorn.Server):
     def __init__(
-        self, config: uvicorn.Config, on_drain: Callable[[], None], delay_s: float
+        self,
+        config: uvicorn.Config,
+        on_drain: Callable[[], None],
+        delay_s: float,
+        child: bool = False,
     ) -> None:
         super().__init__(config)
         self.on_drain = on_drain
         self.delay_s = delay_s
+        self.child = child  # a `--processes` child: its supervisor ends a drain that hangs
         self.draining = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGTERM and self.draining and self.child:
+            return  # the same stop, twice (module doc)
         if sig != signal.SIGTERM or self.draining:
             super().handle_exit(sig, frame)
             return
@@ -158,4 +168,6 @@ def serve(
 ) -> None:
     """Serve until drained; `sockets`: listen on these (already bound) instead of the
     config's host and port (`--processes`: the shared port and a private one)."""
-    DrainingServer(config, on_drain, drain_delay_s).run(sockets=sockets)
+    DrainingServer(config, on_drain, drain_delay_s, child=sockets is not None).run(
+        sockets=sockets
+    )

@@ -321,3 +321,33 @@ def test_free_ports_are_distinct_and_bindable() -> None:
         for port in ports:
             s = stack.enter_context(socket.socket())
             s.bind(("127.0.0.1", port))
+
+
+def test_sigterm_during_a_restart_back_off_stops_everything(fleet: FleetProcess) -> None:
+    """The supervisor waits a moment before restarting a dead child; a SIGTERM in that moment
+    once let it start the new child anyway, which never heard of the stop."""
+    with router(fleet) as r:
+        first = children_of(r.proc.pid)
+        os.kill(first[0], signal.SIGKILL)
+        time.sleep(0.5)  # it polls every 0.2 s, then backs off for 1 s
+        r.proc.send_signal(signal.SIGTERM)
+        assert r.proc.wait(20) == 0
+        assert not any(alive(pid) for pid in first)
+
+
+def test_a_sigterm_to_every_process_still_drains(fleet: FleetProcess) -> None:
+    """A signal to the whole process group (systemd's control-group kill) reaches each child
+    twice: from the group, and forwarded by the supervisor. The second must not cut the
+    drain short."""
+    extra = ["--processes", "2", "--drain-delay", "2"]
+    env = {"KVROUTE_SCRAPE_INTERVAL_S": "300"}
+    with RouterProcess(fleet.urls, tokenizer=PACKAGED_TOKENIZER, extra=extra, env=env) as r:
+        until(lambda: len(processes_answering(r)) == 2, 30, "every process answers")
+        kids = children_of(r.proc.pid)
+        for pid in [r.proc.pid, *kids]:
+            os.kill(pid, signal.SIGTERM)
+        time.sleep(0.8)  # well inside the drain delay: still serving, /ready 503
+        assert fresh(r.url, "/live").status_code == 200
+        assert fresh(r.url, "/ready").status_code == 503
+        assert r.proc.wait(20) == 0
+        assert not any(alive(pid) for pid in kids)
