@@ -190,10 +190,13 @@ class PlacementLink:
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self._pub: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
-        self.counts = {"applied": 0, "load": 0, "unknown_worker": 0, "malformed": 0}
+        self.counts = {"applied": 0, "load": 0, "unknown_worker": 0, "malformed": 0, "self": 0}
         self._warned: dict[str, float] = {}  # result -> when it was last logged
         self.replica = os.urandom(8)  # names this process's load reports (a restart: new id)
         self.heard: dict[str, float] = {}  # peer replica id -> when it last reported load
+        # (replica, endpoint) -> when its load there was last reported: a replica that stops
+        # reporting one endpoint (it no longer routes there) must stop counting there too
+        self._reported: dict[tuple[str, str], float] = {}
         self._on_peers = on_peers or (lambda _: None)
         self._dirty: set[str] = set()  # endpoints whose local load changed since the flush
         self._tick_task: asyncio.Task[None] | None = None
@@ -414,7 +417,9 @@ class PlacementLink:
             )
 
     def expire(self, now: float) -> None:
-        """Stop counting the load of replicas silent for SILENT_S."""
+        """Stop counting the load of replicas silent for SILENT_S, and a replica's load on an
+        endpoint it has not reported for as long (every replica reports every endpoint it
+        routes to each heartbeat: one it removed, it reports no more)."""
         for replica, at in list(self.heard.items()):
             if now - at >= SILENT_S:
                 del self.heard[replica]
@@ -422,6 +427,12 @@ class PlacementLink:
                 log.warning(
                     "replica %s silent for %.1f s: its load no longer counts", replica, now - at
                 )
+        idle = PeerLoad(0, 0, 0, 0)
+        for (replica, worker), at in list(self._reported.items()):
+            if now - at >= SILENT_S:
+                del self._reported[(replica, worker)]
+                if replica in self.heard and worker in self.fleet.workers:
+                    self.fleet.load.peer(replica, worker, idle)
         self._on_peers(len(self.heard))
 
     async def _receive(self, sub: zmq.asyncio.Socket) -> None:
@@ -514,6 +525,14 @@ class PlacementLink:
             replica, reports = decode_load(frames)
         except (ValueError, UnicodeDecodeError, struct.error) as exc:
             return [self._count("malformed", f"malformed load report from a peer dropped: {exc}")]
+        if replica == self.replica.hex():
+            return [
+                self._count(
+                    "self",
+                    "a --peer address reaches this replica itself: its own load reports are "
+                    "ignored (list only the other replicas' addresses)",
+                )
+            ]
         new = replica not in self.heard
         self.heard[replica] = now
         if new:
@@ -531,6 +550,7 @@ class PlacementLink:
                 )
                 continue
             self.fleet.load.peer(replica, worker, load)
+            self._reported[(replica, worker)] = now
             out.append(self._count("load", None))
         return out
 

@@ -237,6 +237,29 @@ def test_a_load_report_is_counted_and_a_silent_replica_forgotten() -> None:
     assert fleet.load.view("w").requests == 0 and heard[-1] == 0
 
 
+def test_a_replica_that_stops_reporting_an_endpoint_stops_counting_there() -> None:
+    """A replica that removed an endpoint (an admin call that reached only it) reports it no
+    more; its last load there must not count forever while it reports the others."""
+    fleet = fleet_of(w1=EVENTS, w2=EVENTS)
+    link = PlacementLink(fleet, None, [])
+    peer = b"\xaa" * 8
+    link.apply(encode_load(peer, [("w1", PeerLoad(2, 600, 0)), ("w2", PeerLoad(1, 0, 0))]), 100.0)
+    for t in (101.0, 102.0, 103.0, 100.0 + SILENT_S):  # heartbeats: w2 only now
+        link.apply(encode_load(peer, [("w2", PeerLoad(1, 0, 0))]), now=t)
+        link.expire(t)
+    assert fleet.load.view("w1").requests == 0 and fleet.load.view("w1").prefill_tokens == 0
+    assert fleet.load.view("w2").requests == 1 and peer.hex() in link.heard
+
+
+def test_a_replicas_own_reports_are_not_counted_again() -> None:
+    fleet = fleet_of(w=EVENTS)
+    link = PlacementLink(fleet, None, [])
+    fleet.load.start("w", 100, 2)
+    own = encode_load(link.replica, [("w", fleet.load.local("w"))])
+    assert link.apply(own, now=100.0) == ["self"]
+    assert fleet.load.view("w").requests == 1 and link.heard == {}
+
+
 async def test_two_links_over_zmq() -> None:
     a_fleet, b_fleet = fleet_of(w=EVENTS), fleet_of(w=EVENTS)
     a_pub, b_pub = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
