@@ -348,6 +348,11 @@ class DecisionService:
     def address_of(self, worker: str) -> str:
         return self.fleet.workers[worker].address
 
+    def rank_of(self, worker: str) -> int | None:
+        """The data-parallel rank a request for this endpoint must ask for (None: the
+        engine chooses); endpoints of one worker share its address."""
+        return self.fleet.workers[worker].rank
+
     def worker_at(self, address: str) -> str | None:
         return next((w.name for w in self.fleet.workers.values() if w.address == address), None)
 

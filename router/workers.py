@@ -64,6 +64,7 @@ class WorkerHandle:
     last_error: str = ""
     problems: dict[str, str] = field(default_factory=dict)  # config problems found by probes
     discovered: bool = False
+    address: str = ""  # ip:port, resolved at discovery; every endpoint of the worker shares it
     # discovery, rediscovery and removal one at a time: the health and scrape loops can both
     # rediscover a restarted engine, and each subscribes anew after awaiting the worker
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
@@ -212,6 +213,7 @@ class WorkerPool:
             worker=w.name,
             rank=rank,
             role=w.role,
+            address=h.address,  # ranks made after discovery resolved it dial the same IP
         )
         self.fleet.add(state, model=self.config.model)
         return Feed(state)
@@ -295,6 +297,7 @@ class WorkerPool:
             address = f"[{ip}]:{h.port}" if ":" in ip else f"{ip}:{h.port}"
         except OSError:
             pass
+        h.address = address
         for state in h.states:
             state.address = address
 

@@ -86,6 +86,9 @@ class DecisionService:
     def worker_at(self, address: str) -> str | None:
         return address if address in self.workers else None
 
+    def rank_of(self, worker: str) -> int | None:
+        return None  # no endpoint here is a data-parallel rank
+
     def start(self, decision: Decision, worker: str) -> Ticket:
         ticket = Ticket(worker, decision.rin.model, [("start", worker)])
         self.tickets.append(ticket)
@@ -99,8 +102,16 @@ class DecisionService:
     def first_token(self, ticket: Ticket) -> None:
         ticket.events.append(("first_token", None))
 
-    def finish(self, ticket: Ticket, *, status: int, cached_tokens: int | None) -> None:
-        ticket.events.append(("finish", (status, cached_tokens)))
+    def finish(
+        self,
+        ticket: Ticket,
+        *,
+        status: int,
+        cached_tokens: int | None = None,
+        outcome: str | None = None,
+    ) -> None:
+        # a failure that never produced a response (a client hang-up) records its outcome
+        ticket.events.append(("finish", (status, cached_tokens if outcome is None else outcome)))
 
     def models_doc(self) -> dict[str, Any]:
         return {

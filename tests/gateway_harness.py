@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import struct
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,7 +68,8 @@ async def real_service(addresses: list[str]) -> AsyncIterator[Any]:
 
 @dataclass
 class Gateway:
-    fleet: FleetProcess
+    fleet: FleetProcess  # the first of `fleets`
+    fleets: list[FleetProcess]
     prints: dict[str, str]  # system_fingerprint -> worker address
     svc: Any
     picker: ExtProcServer | None
@@ -76,8 +78,12 @@ class Gateway:
     picker_port: int = 0
 
     @property
+    def urls(self) -> list[str]:
+        return [u for f in self.fleets for u in f.urls]
+
+    @property
     def addresses(self) -> list[str]:
-        return [address(u) for u in self.fleet.urls]
+        return [address(u) for u in self.urls]
 
     async def kill_picker(self) -> None:
         """The picker goes away (its port closes); Envoy finds out by itself."""
@@ -120,7 +126,9 @@ def served_by(gw: Gateway, resp: httpx.Response) -> str | None:
 class Options:
     """How `gateway()` sets things up (its keyword arguments)."""
 
-    workers: int = 2
+    workers: int = 2  # per fleet process
+    # engine flags after FAST, one fleet process per entry (workers of different models)
+    engine_args: tuple[tuple[str, ...], ...] = ((),)
     body_mode: str = "buffered"
     failure_mode: str = "close"
     response_body: str = "read"
@@ -138,15 +146,20 @@ class Options:
 async def gateway(**options: Any) -> AsyncIterator[Gateway]:
     """Fleet (its own process) + decision service + picker + Envoy, all on loopback."""
     o = Options(**options)
-    with FleetProcess(o.workers, extra=FAST) as fleet:
-        prints = await _fingerprints(fleet.urls)
-        members = tuple(parse_worker(u) for u in fleet.urls) + o.extra_endpoints
+    with contextlib.ExitStack() as processes:
+        fleets = [
+            processes.enter_context(FleetProcess(o.workers, extra=[*FAST, *args]))
+            for args in o.engine_args
+        ]
+        urls = [u for f in fleets for u in f.urls]
+        prints = await _fingerprints(urls)
+        members = tuple(parse_worker(u) for u in urls) + o.extra_endpoints
         made = o.make_service([f"{e.host}:{e.port}" for e in members])
         async with contextlib.AsyncExitStack() as stack:
             svc = await stack.enter_async_context(made) if hasattr(made, "__aenter__") else made
             picker = ExtProcServer(svc, "127.0.0.1", 0, max_body_bytes=o.max_body_bytes)
             await picker.start()
-            gw = Gateway(fleet, prints, svc, picker, None, None, picker.port)  # type: ignore[arg-type]
+            gw = Gateway(fleets[0], fleets, prints, svc, picker, None, None, picker.port)  # type: ignore[arg-type]
             try:
                 gw.envoy = stack.enter_context(_envoy(o, members, picker.port))
                 gw.client = await stack.enter_async_context(_client(gw.envoy.url, o.timeout_s))
@@ -190,7 +203,7 @@ async def _fingerprints(urls: list[str]) -> dict[str, str]:
     out = {}
     async with httpx.AsyncClient(timeout=10) as client:
         for url in urls:
-            body = {"model": MODEL, "prompt": "who are you", "max_tokens": 1}
+            body = {"prompt": "who are you", "max_tokens": 1}  # whatever model it serves
             resp = await client.post(f"{url}/v1/completions", json=body)
             out[resp.json()["system_fingerprint"]] = address(url)
     return out
@@ -235,3 +248,79 @@ def _all_health(clusters_text: str, cluster: str) -> bool | None:
         return None
     states = {ln.endswith("::healthy") for ln in flags}
     return states.pop() if len(states) == 1 else None
+
+
+# ---- HTTP/2 with request trailers (no client library here sends them) ---------------------
+
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+_DATA, _HEADERS, _RST, _SETTINGS, _PING, _GOAWAY = 0, 1, 3, 4, 6, 7
+_END_STREAM, _ACK, _END_HEADERS = 0x1, 0x1, 0x4
+_MAX_FRAME = 16_384  # HTTP/2's default SETTINGS_MAX_FRAME_SIZE
+# HPACK's static table: the statuses an encoder sends as one indexed byte
+_STATIC_STATUS = {0x88: 200, 0x89: 204, 0x8A: 206, 0x8B: 304, 0x8C: 400, 0x8D: 404, 0x8E: 500}
+
+
+@dataclass
+class H2Answer:
+    status: int | None  # None: not one of HPACK's indexed statuses (the body tells)
+    body: bytes
+
+
+async def h2_post(
+    url: str, path: str, body: bytes, *, trailers: tuple[tuple[str, str], ...]
+) -> H2Answer:
+    """POST over cleartext HTTP/2 (prior knowledge), the body ended by request trailers."""
+    e = parse_worker(url)
+    reader, writer = await asyncio.open_connection(e.host, e.port)
+    head = [(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "x")]
+    head.append(("content-type", "application/json"))
+    try:
+        writer.write(_H2_PREFACE + _frame(_SETTINGS, 0, 0, b""))
+        await _settings_acked(reader, writer)  # the gateway's flow-control windows apply
+        writer.write(_frame(_HEADERS, _END_HEADERS, 1, _hpack(head)))
+        for i in range(0, len(body), _MAX_FRAME):
+            writer.write(_frame(_DATA, 0, 1, body[i : i + _MAX_FRAME]))
+        writer.write(_frame(_HEADERS, _END_HEADERS | _END_STREAM, 1, _hpack(list(trailers))))
+        return await _h2_answer(reader, writer)
+    finally:
+        writer.close()
+
+
+async def _settings_acked(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while True:
+        length, kind, flags, _ = struct.unpack(">3sBBI", await reader.readexactly(9))
+        await reader.readexactly(int.from_bytes(length, "big"))
+        if kind == _SETTINGS and not flags & _ACK:
+            writer.write(_frame(_SETTINGS, _ACK, 0, b""))
+            return
+
+
+async def _h2_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> H2Answer:
+    answer = H2Answer(None, b"")
+    while True:
+        length, kind, flags, stream = struct.unpack(">3sBBI", await reader.readexactly(9))
+        payload = await reader.readexactly(int.from_bytes(length, "big"))
+        if kind in (_SETTINGS, _PING) and not flags & _ACK:
+            writer.write(_frame(kind, _ACK, 0, b"" if kind == _SETTINGS else payload))
+        elif kind == _GOAWAY or (kind == _RST and stream == 1):
+            return answer
+        elif kind == _HEADERS and stream == 1 and answer.status is None:
+            answer.status = _STATIC_STATUS.get(payload[0])
+        elif kind == _DATA and stream == 1:
+            answer.body += payload
+        if stream == 1 and kind in (_DATA, _HEADERS) and flags & _END_STREAM:
+            return answer
+
+
+def _frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload))[1:] + struct.pack(">BBI", kind, flags, stream) + payload
+
+
+def _hpack(headers: list[tuple[str, str]]) -> bytes:
+    """Each header a literal without indexing, no Huffman coding (names and values < 127)."""
+    out = b""
+    for name, value in headers:
+        n, v = name.encode(), value.encode()
+        assert len(n) < 127 and len(v) < 127
+        out += b"\x00" + bytes([len(n)]) + n + bytes([len(v)]) + v
+    return out

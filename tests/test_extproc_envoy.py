@@ -5,8 +5,11 @@ each simulated worker stamps its own system_fingerprint into every response."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,14 +17,17 @@ import extproc_standin
 import httpx
 import pytest
 from gateway_harness import (
+    MODEL,
     Gateway,
     gateway,
+    h2_post,
     real_service,
     served_by,
     standin_service,
     wait_cluster,
     wait_member,
 )
+from prometheus_client.parser import text_string_to_metric_families
 
 from router.envoy.bootstrap import Endpoint, write_eds
 from router.procs import free_port
@@ -319,3 +325,139 @@ async def test_the_real_decision_service_routes_a_repeat_to_its_cache(mode: str)
         await asyncio.sleep(0.2)
         load = gw.svc.fleet.load
         assert all(load._local[w].requests == 0 for w in load._local)  # every ticket finished
+
+
+async def _until(ok: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not ok():
+        assert loop.time() < deadline, "never happened"
+        await asyncio.sleep(0.05)
+
+
+def _by_hostname(addresses: list[str]) -> contextlib.AbstractAsyncContextManager[Any]:
+    """The real DecisionService, told the workers by name (a gateway dials IP addresses)."""
+    return real_service([a.replace("127.0.0.1", "localhost") for a in addresses])
+
+
+async def _rank_prints(url: str, ranks: int) -> dict[str, int]:
+    """system_fingerprint -> the data-parallel rank that answers with it."""
+    out = {}
+    async with httpx.AsyncClient(timeout=10) as client:
+        for rank in range(ranks):
+            body = {"prompt": "which rank", "max_tokens": 1}
+            resp = await client.post(
+                f"{url}/v1/completions", json=body, headers={"x-data-parallel-rank": str(rank)}
+            )
+            out[resp.json()["system_fingerprint"]] = rank
+    return out
+
+
+def _finished_on(svc: Any) -> Counter[str]:
+    """Requests finished per endpoint, from kvroute_requests_total."""
+    out: Counter[str] = Counter()
+    for family in text_string_to_metric_families(svc.metrics.render().decode()):
+        for sample in family.samples:
+            if sample.name == "kvroute_requests_total":
+                out[sample.labels["worker"]] += int(sample.value)
+    return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_data_parallel_ranks_are_asked_for_by_header(mode: str) -> None:
+    """A worker running two data-parallel ranks, configured by hostname: each request is
+    served by the rank picked (vLLM's rank header), the gateway is sent the address it
+    dials, and the load is counted on the rank that served."""
+    dp = (("--data-parallel-size", "2"),)
+    async with gateway(body_mode=mode, workers=1, engine_args=dp, make_service=_by_hostname) as gw:
+        svc = gw.svc
+        endpoints = svc.fleet.workers
+        await _until(lambda: len(endpoints) == 2 and all(w.available for w in endpoints.values()))
+        ranks = await _rank_prints(gw.urls[0], 2)
+        picked: list[str] = []
+        # distinct prompts until both ranks were picked: where each goes is the scorers' call
+        for i in range(24):
+            if len(picked) >= 8 and {endpoints[e].rank for e in picked} == {0, 1}:
+                break
+            resp = await gw.complete(f"{i} ranked words " * 30)
+            assert resp.status_code == 200, resp.text[:300]
+            endpoint = resp.headers["x-kvroute-worker"]
+            assert resp.headers[SERVED] == endpoints[endpoint].address == gw.addresses[0]
+            assert ranks[resp.json()["system_fingerprint"]] == endpoints[endpoint].rank
+            picked.append(endpoint)
+        assert {endpoints[e].rank for e in picked} == {0, 1}
+        await asyncio.sleep(0.2)
+        assert _finished_on(svc) == Counter(picked)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_other_posts_go_to_a_worker_of_their_model(mode: str) -> None:
+    """Two workers serving different models: a POST that is not a prompt (/tokenize) goes
+    to a worker serving its body's model, as the proxy routes it."""
+    models = (("--model", "model-a"), ("--model", "model-b"))
+    async with gateway(
+        body_mode=mode, workers=1, engine_args=models, make_service=real_service
+    ) as gw:
+        home = {"model-a": gw.addresses[0], "model-b": gw.addresses[1]}
+        for i in range(4):
+            for model, where in home.items():
+                body = {"model": model, "prompt": f"hello {i}"}
+                resp = await gw.client.post("/tokenize", json=body)
+                assert resp.status_code == 200, resp.text[:300]
+                assert resp.headers[SERVED] == where
+
+
+@pytest.mark.parametrize("padding", [0, 200_000], ids=["small", "several-chunks"])
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_body_ended_by_trailers_is_decided(mode: str, padding: int) -> None:
+    """An HTTP/2 body ended by trailers: BUFFERED sends it whole with end_of_stream false,
+    FULL_DUPLEX_STREAMED sends the trailers after its last chunk. The worker gets the body
+    once, intact."""
+    async with gateway(body_mode=mode) as gw:
+        body = {"model": MODEL, "prompt": "trailing words " * 30, "max_tokens": 2}
+        body["user"] = "u" * padding  # a field the engine ignores: a large body, short prompt
+        answer = await h2_post(
+            gw.envoy.url, "/v1/completions", json.dumps(body).encode(), trailers=(("x-t", "1"),)
+        )
+        assert answer.status == 200, answer.body[:300]
+        served = gw.prints[json.loads(answer.body)["system_fingerprint"]]
+        await _until(lambda: gw.svc.inflight() == 0)
+        (ticket,) = gw.svc.tickets
+        assert ticket.events[0] == ("start", served)
+        assert [e[0] for e in ticket.events] == ["start", "first_token", "finish"]
+        assert ticket.events[-1][1][0] == 200
+
+
+@pytest.mark.parametrize(
+    ("mode", "response_body", "stream"),
+    [
+        ("buffered", "read", False),  # before the response headers
+        ("buffered", "read", True),  # during the body
+        ("full-duplex", "read", True),
+        ("buffered", "skip", False),
+    ],
+)
+async def test_a_client_hang_up_is_counted_as_one(
+    mode: str, response_body: str, stream: bool
+) -> None:
+    """As the proxy counts it: the outcome client_disconnected, not a status."""
+    slow = (("--decode-ms-per-step", "30"),)
+    async with gateway(body_mode=mode, response_body=response_body, engine_args=slow) as gw:
+        body = {"model": MODEL, "prompt": "long " * 20, "max_tokens": 300, "stream": stream}
+        async with httpx.AsyncClient(base_url=gw.envoy.url, timeout=30) as client:
+            task = asyncio.create_task(
+                _read_all(client.stream("POST", "/v1/completions", json=body))
+            )
+            await asyncio.sleep(0.5)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await _until(lambda: gw.svc.inflight() == 0)
+        (ticket,) = gw.svc.tickets
+        assert ticket.events[-1] == ("finish", (0, "client_disconnected")), ticket.events
+
+
+async def _read_all(request: contextlib.AbstractAsyncContextManager[httpx.Response]) -> None:
+    async with request as resp:
+        async for _ in resp.aiter_bytes():
+            pass

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import extproc_standin
+import gateway_harness  # noqa: F401  (the stand-in answers every call the picker makes)
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc

@@ -3,13 +3,20 @@ response headers, response body, on one gRPC stream. The exchange decides where 
 goes (the same decision service the HTTP proxy calls) and accounts for its load until the
 response ends. It never forwards bytes: Envoy does.
 
-Body modes (Envoy's `processing_mode.request_body_mode`, told in `protocol_config`):
-- BUFFERED: the body arrives whole after the headers were answered; the decision rides on
-  the body answer.
-- FULL_DUPLEX_STREAMED (GIE's): headers and body chunks arrive without waiting; the headers
-  answer (with the decision) is deferred until the body's end, then the body is handed back
-  in chunks of at most 62 KB.
+A request with a body is decided on its body, as the proxy decides it: completions and chat
+by their prompt, any other path by the body's `model` (`parse_passthrough`); one without a
+body at its headers, by load. Body modes (Envoy's `processing_mode.request_body_mode`, told
+in `protocol_config`):
+- BUFFERED: the body arrives whole, in one message, after the headers were answered; the
+  decision rides on the body answer. The message says end_of_stream false when trailers
+  follow (HTTP/2), and it is the whole body all the same.
+- FULL_DUPLEX_STREAMED (GIE's): headers, body chunks and trailers arrive without waiting;
+  the headers answer (with the decision) is deferred until the body's end, then the body is
+  handed back in chunks of at most 62 KB. A body that trailers end (HTTP/2) goes back whole
+  inside the headers answer instead, which also lets the trailers through.
 Response bodies are only read (STREAMED) or handed back as they come (FULL_DUPLEX_STREAMED).
+A stream that closes before its response ended counts as a client hang-up (the outcome
+`client_disconnected`, as the proxy counts it).
 """
 
 from __future__ import annotations
@@ -24,12 +31,14 @@ from router.core.errors import KvrouteError, NoWorkerAvailable, PayloadTooLarge
 from router.extproc import gie
 from router.extproc.cli import DEFAULT_MAX_BODY  # bodies the picker takes (413 above)
 from router.forward import UsageSniffer, cached_tokens_of
-from router.openai_req import RoutingInput, parse
+from router.openai_req import RoutingInput, parse, parse_passthrough
+from router.proxy import RANK_HEADER
 from router.routing import Constraints, DecisionService
 
 log = logging.getLogger("kvroute.extproc")
 
 DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 NO_BODY = processing_mode_pb2.ProcessingMode.NONE
 # Ordered fallbacks sent to the gateway: enough for the retries a gateway makes.
 MAX_FALLBACKS = 4
@@ -38,6 +47,7 @@ MAX_KEPT_RESPONSE = 1 << 20
 # The picker's first choice, on the response: with the gateway's served-endpoint header, a
 # client (router-check --gateway) sees whether the gateway followed the pick.
 WORKER_HEADER = "x-kvroute-worker"
+RANK = RANK_HEADER.decode()
 
 Responses = list[gie.ProcessingResponse]
 _REQUEST_HEADERS = frozenset({":method", ":path"})
@@ -53,14 +63,18 @@ class Exchange:
         self.max_body_bytes = max_body_bytes
         self.body_bytes = 0
         self.duplex_request = False
+        self.buffered_request = False
         self.duplex_response = False
         self.reads_response = True  # response bodies come to the picker
         self.kind: str | None = None
+        self.path = "/"
         self.subset: frozenset[str] | None = None
         self.decided = False
         self.body: list[bytes] = []
+        self.got_body = False
         self.worker: str | None = None  # where the load is counted (the served one, once known)
         self.picked: str | None = None  # the first choice, named to the client
+        self.sent: dict[str, str] = {}  # address -> endpoint, of the fallback list sent
         self.ticket: Any = None
         self.status = 0
         self.streaming = False
@@ -75,10 +89,14 @@ class Exchange:
             return await self._request_headers(req)
         if which == "request_body":
             return await self._request_body(req.request_body)
+        if which == "request_trailers":
+            return await self._request_trailers()
         if which == "response_headers":
             return self._response_headers(req)
         if which == "response_body":
             return self._response_body(req.response_body)
+        if which == "response_trailers" and self.ticket is not None:
+            self._account(b"", True)  # FULL_DUPLEX_STREAMED: the trailers end the response
         return [gie.passthrough(which)] if which else []
 
     # ---- request ------------------------------------------------------------------------
@@ -86,6 +104,7 @@ class Exchange:
     async def _request_headers(self, req: gie.ProcessingRequest) -> Responses:
         cfg = req.protocol_config
         self.duplex_request = cfg.request_body_mode == DUPLEX
+        self.buffered_request = cfg.request_body_mode == BUFFERED
         self.duplex_response = cfg.response_body_mode == DUPLEX
         self.reads_response = cfg.response_body_mode != NO_BODY
         self.subset = gie.subset_of(req)
@@ -94,10 +113,10 @@ class Exchange:
         path = headers.get(":path", "/").split("?", 1)[0]
         if method == "GET" and path == "/v1/models":
             return [gie.immediate(200, _encode(self.svc.models_doc()))]
+        self.path = path
         self.kind = self.svc.route_path(path) if method == "POST" else None
-        if self.kind is None or req.request_headers.end_of_stream:
-            # body-less or not prompt-bearing: any healthy worker, by load
-            return await self._decide(RoutingInput.bodyless(), "request_headers", b"")
+        if req.request_headers.end_of_stream:  # no body: any healthy worker, by load
+            return await self._decide(RoutingInput.bodyless(), "request_headers")
         return [] if self.duplex_request else [gie.passthrough("request_headers")]
 
     async def _request_body(self, msg: Any) -> Responses:
@@ -105,43 +124,67 @@ class Exchange:
             if self.duplex_request:
                 return [gie.streamed_body(msg.body, end=msg.end_of_stream)]
             return [gie.passthrough("request_body")]
+        self.got_body = True
         self.body.append(msg.body)
         self.body_bytes += len(msg.body)
         if self.body_bytes > self.max_body_bytes:
             self.body, self.decided = [], True  # answered: later chunks are dropped
             limit = PayloadTooLarge(f"request body over {self.max_body_bytes} bytes")
             return [_error(limit)]
-        if not msg.end_of_stream:
-            return []  # FULL_DUPLEX_STREAMED: more chunks follow
+        if msg.end_of_stream or self.buffered_request:
+            return await self._decide_on_body(trailers=False)
+        return []  # FULL_DUPLEX_STREAMED: more chunks, or the trailers, follow
+
+    async def _request_trailers(self) -> Responses:
+        if self.decided or not self.duplex_request:
+            return [gie.passthrough("request_trailers")]
+        return await self._decide_on_body(trailers=True)
+
+    async def _decide_on_body(self, *, trailers: bool) -> Responses:
         body = b"".join(self.body)
         self.body = []
-        assert self.kind is not None
         try:
-            rin = parse(self.kind, body)
+            if self.kind is not None:
+                rin = parse(self.kind, body)
+            else:
+                rin = parse_passthrough(self.path, body)
         except KvrouteError as exc:
             return [_error(exc)]
         phase = "request_headers" if self.duplex_request else "request_body"
-        return await self._decide(rin, phase, body)
+        return await self._decide(rin, phase, body, trailers=trailers)
 
-    async def _decide(self, rin: RoutingInput, phase: str, body: bytes) -> Responses:
+    async def _decide(
+        self, rin: RoutingInput, phase: str, body: bytes = b"", *, trailers: bool = False
+    ) -> Responses:
         try:
-            endpoints = await self._pick(rin)
+            endpoints, headers = await self._pick(rin)
         except KvrouteError as exc:
             return [_error(exc)]
         self.decided = True
-        out = [gie.decision(endpoints, phase=phase)]
-        if self.duplex_request and phase == "request_headers" and body:
+        if trailers:
+            return [gie.decision_with_body(endpoints, body, headers=headers)]
+        out = [gie.decision(endpoints, phase=phase, headers=headers)]
+        if self.duplex_request and phase == "request_headers" and self.got_body:
             out += gie.streamed_chunks(body)
         return out
 
-    async def _pick(self, rin: RoutingInput) -> list[str]:
+    async def _pick(self, rin: RoutingInput) -> tuple[list[str], tuple[tuple[str, str], ...]]:
+        """The fallback list and the headers that go with it."""
         decision = await self.svc.decide(rin, constraints=Constraints(subset=self.subset))
-        ranked = [s.worker for s in decision.ranked[:MAX_FALLBACKS]]
-        if not ranked:
+        if not decision.ranked:
             raise NoWorkerAvailable("no eligible worker for this request")
-        self.worker = self.picked = ranked[0]
-        self.ticket = self.svc.start(decision, self.worker)
-        return [self.svc.address_of(w) for w in ranked]
+        self.worker = self.picked = first = decision.ranked[0].worker
+        self.ticket = self.svc.start(decision, first)
+        # A data-parallel rank is asked for by a header, and the same header reaches
+        # whichever fallback serves: the fallbacks are the endpoints it is right for (the
+        # same rank, or none), one per address (ranks of one worker share its address).
+        rank = self.svc.rank_of(first)
+        for s in decision.ranked:
+            if len(self.sent) == MAX_FALLBACKS:
+                break
+            if s.worker == first or self.svc.rank_of(s.worker) == rank:
+                self.sent.setdefault(self.svc.address_of(s.worker), s.worker)
+        return list(self.sent), (() if rank is None else ((RANK, str(rank)),))
 
     # ---- response: load accounting only ---------------------------------------------------
 
@@ -150,7 +193,9 @@ class Exchange:
         self.status = int(headers.get(":status", "0") or 0)
         self.streaming = headers.get("content-type", "").startswith("text/event-stream")
         served = gie.served_of(req)
-        worker = self.svc.worker_at(served) if served else None
+        # the endpoint sent to that address (the rank header asked for it); an address the
+        # picker did not send (the gateway ignored the pick) maps to any endpoint there
+        worker = (self.sent.get(served) or self.svc.worker_at(served)) if served else None
         if self.ticket is not None and worker is not None and worker != self.worker:
             self.ticket = self.svc.reassign(self.ticket, worker)
             self.worker = worker
@@ -196,11 +241,16 @@ class Exchange:
         self.svc.finish(ticket, status=self.status, cached_tokens=cached_tokens)
 
     def close(self) -> None:
-        """The stream ended: the response is done (response bodies skipped) or the request
-        was abandoned (client gone, upstream reset, gateway gave up)."""
-        if self.ticket is not None:
-            self.status = self.status or 499
+        """The stream ended: the response is done (response bodies skipped, headers seen) or
+        the request was abandoned: the client hung up (or the upstream reset, or the gateway
+        gave up: Envoy closes the stream the same way for all three)."""
+        if self.ticket is None:
+            return
+        if not self.reads_response and self.status:
             self._finish(None)
+            return
+        ticket, self.ticket = self.ticket, None
+        self.svc.finish(ticket, status=0, outcome="client_disconnected")
 
 
 def _error(exc: KvrouteError) -> gie.ProcessingResponse:

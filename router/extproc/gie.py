@@ -72,13 +72,17 @@ def _endpoints(value: struct_pb2.Value) -> list[str]:
     return [p.strip() for p in value.string_value.split(",") if p.strip()]
 
 
-def decision(endpoints: Iterable[str], *, phase: str) -> pb.ProcessingResponse:
+def decision(
+    endpoints: Iterable[str], *, phase: str, headers: tuple[tuple[str, str], ...] = ()
+) -> pb.ProcessingResponse:
     """The pick in the GIE shape: the header and the envoy.lb metadata carry the same ordered
     fallback list, and the route cache is cleared so that routing sees them. `phase` is the
-    ProcessingResponse field answered: request_headers or request_body. Messages are never
-    mutated once built, so the same answer is shared (a fleet has few distinct lists)."""
+    ProcessingResponse field answered: request_headers or request_body; `headers` are more
+    request headers to set (the upstream receives them, whichever fallback serves). Messages
+    are never mutated once built, so the same answer is shared (a fleet has few distinct
+    lists)."""
     value = ",".join(endpoints)
-    return _shared(("decision", phase, value), lambda: _decision(value, phase))
+    return _shared(("decision", phase, (value, headers)), lambda: _decision(value, phase, headers))
 
 
 def with_headers(phase: str, pairs: tuple[tuple[str, str], ...]) -> pb.ProcessingResponse:
@@ -101,9 +105,25 @@ def _shared(
     return found
 
 
-def _decision(value: str, phase: str) -> pb.ProcessingResponse:
+def decision_with_body(
+    endpoints: Iterable[str], body: bytes, *, headers: tuple[tuple[str, str], ...] = ()
+) -> pb.ProcessingResponse:
+    """FULL_DUPLEX_STREAMED, for a body that trailers ended: the decision as the headers
+    answer, carrying the whole body (CONTINUE_AND_REPLACE). It ends the request's processing:
+    no body or trailers answer follows. (Envoy 1.40 forwards a body streamed back before the
+    trailers answer twice.)"""
+    resp = _decision(",".join(endpoints), "request_headers", headers)
+    common = resp.request_headers.response
+    common.status = pb.CommonResponse.CONTINUE_AND_REPLACE
+    common.body_mutation.body = body
+    return resp
+
+
+def _decision(
+    value: str, phase: str, headers: tuple[tuple[str, str], ...]
+) -> pb.ProcessingResponse:
     common = pb.CommonResponse(clear_route_cache=True)
-    _set_headers(common.header_mutation, [(DEST_HEADER, value)])
+    _set_headers(common.header_mutation, [(DEST_HEADER, value), *headers])
     resp = pb.ProcessingResponse()
     getattr(resp, phase).response.CopyFrom(common)
     resp.dynamic_metadata.fields[DEST_NAMESPACE].struct_value.fields[
