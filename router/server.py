@@ -168,6 +168,4 @@ def serve(
 ) -> None:
     """Serve until drained; `sockets`: listen on these (already bound) instead of the
     config's host and port (`--processes`: the shared port and a private one)."""
-    DrainingServer(config, on_drain, drain_delay_s, child=sockets is not None).run(
-        sockets=sockets
-    )
+    DrainingServer(config, on_drain, drain_delay_s, child=sockets is not None).run(sockets=sockets)
