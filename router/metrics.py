@@ -142,8 +142,9 @@ class RouterMetrics:
         )
         self.peer_replicas = Gauge(
             "kvroute_peer_replicas",
-            "Other router replicas whose in-flight load this one counts (heard from within "
-            "3.5 s); below the replica count - 1 means a peer link is down (with "
+            "Other router processes whose in-flight load this one counts (heard from within "
+            "3.5 s): its --processes siblings and each process of the other replicas; below "
+            "the count of all router processes - 1 means a peer link is down (with "
             "--processes: the fewest any process hears)",
             registry=r,
             multiprocess_mode="livemin",
