@@ -277,6 +277,12 @@ class DecisionService:
         self._release(ticket)
         return self.start(ticket.decision, worker)
 
+    def release(self, ticket: Ticket) -> None:
+        """The request will not be served there after all (a split whose prefill leg failed
+        is sent the proxy's way, which counts it anew): its load goes, no outcome counts."""
+        if not ticket.done:
+            self._release(ticket)
+
     def first_token(self, ticket: Ticket) -> None:
         if ticket.first_token_at is None:
             ticket.first_token_at = time.perf_counter()

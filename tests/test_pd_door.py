@@ -259,3 +259,31 @@ async def test_prefill_legs_failing_in_a_row_degrade_health_and_say_so_per_respo
         status, _, headers = await sse(s.client, {**CLIENT, "prompt": f"ok {PROMPT}"})
         assert status == 200 and headers["x-kvroute-pd"].startswith("split prefill=")
         assert s.names["prefill"] not in (await s.client.get("/health")).json()["pd"]["workers"]
+
+
+async def test_splits_count_on_their_decode_worker_from_the_decision() -> None:
+    """Concurrent splits must see each other on the decode worker while their prefill legs
+    run: the busy bound and shedding hold for them as for local requests."""
+
+    def slow_prefill() -> Any:
+        inner = prefill_ok()
+
+        async def handle(w: Any, seen: Any, send: Any) -> None:
+            await asyncio.sleep(0.5)
+            await inner(w, seen, send)
+
+        return handle
+
+    async with pd_router(
+        slow_prefill(),
+        decode_stream(delay_s=0.5),
+        busy_max_requests=2,
+        shed=True,
+        pd_max_prefill_inflight=100,
+    ) as s:
+        bodies = [{**CLIENT, "prompt": f"q{i} {PROMPT}"} for i in range(6)]
+        answers = await asyncio.gather(*(sse(s.client, b) for b in bodies))
+        assert sorted(status for status, _, _ in answers) == [200, 200, 429, 429, 429, 429]
+        assert len(s.decode.seen) == 2
+        load = s.app.fleet.load.known(s.names["decode"])
+        assert (load.requests, load.prefill_tokens, load.decode_blocks) == (0, 0, 0)

@@ -209,12 +209,21 @@ class PDDoor:
         doc: dict[str, Any],
     ) -> None:
         assert plan.prefill is not None
-        answer = await self._prefill(r, plan, pdec, doc)
+        # the decode worker's load is counted from the decision, not from the decode leg:
+        # concurrent splits must see each other there (busy bounds, shedding, the load
+        # score), or a burst of them all lands on one decode worker during their prefills
+        ticket = self.svc.start(r.decision, plan.decode)
+        try:
+            answer = await self._prefill(r, plan, pdec, doc)
+        except BaseException:
+            self.svc.release(ticket)
+            raise
         if isinstance(answer, str):
+            self.svc.release(ticket)
             await self._local(r, tagged(send, plan, fallback=answer), local, plan, learn=False)
             return
         self.metrics.prefill_leg.observe(answer.seconds)
-        await self._decode(r, tagged(send, plan), local, plan, answer.params)
+        await self._decode(r, tagged(send, plan), local, plan, answer.params, ticket)
 
     async def _prefill(
         self, r: ClientRequest, plan: m.Plan, pdec: Decision, doc: dict[str, Any]
@@ -269,12 +278,19 @@ class PDDoor:
             self.pool.eject(worker, f"prefill leg: {exc.detail}")
 
     async def _decode(
-        self, r: ClientRequest, send: Send, local: Local, plan: m.Plan, params: dict[str, Any]
+        self,
+        r: ClientRequest,
+        send: Send,
+        local: Local,
+        plan: m.Plan,
+        params: dict[str, Any],
+        ticket: Ticket,
     ) -> None:
         worker = plan.decode
         h = self.pool.handle_of(worker)
         state = self.svc.fleet.workers.get(worker)
         if h is None or state is None:
+            self.svc.release(ticket)
             # removed while the prefill ran (the admin API, a workers file, DNS): nobody
             # will pull that KV; the proxy's way decides again among the workers left
             self.metrics.orphans.labels(plan.prefill or "?", "decode_removed").inc()
@@ -285,7 +301,6 @@ class PDDoor:
         timeouts = decode_timeouts(
             self.config, r.rin.stream, self.model.transfer_ms(plan.uncached), plan.uncached
         )
-        ticket = self.svc.start(r.decision, worker)
         sent = time.perf_counter()
 
         def first_byte() -> None:
