@@ -118,8 +118,11 @@ class ProxyDoor:
         t0_ns: int,
     ) -> None:
         rin = parse(kind, body) if kind is not None else parse_passthrough(path, body)
-        pd = kind is not None and self.pd is not None and self.pd.active
-        decision = await self.svc.decide(rin, profile="decode" if pd else "default")
+        pd_fleet = self.pd is not None and self.pd.active
+        pd = kind is not None and pd_fleet
+        # with prefill workers, a request that passes through (embeddings, responses, ...)
+        # must not land on one either: prefill workers take only prefill legs
+        decision = await self.svc.decide(rin, profile="decode" if pd_fleet else "default")
         if self.tracer is not None:
             self.tracer.record(scope["headers"], decision, t0_ns)
         request_id = header(scope, b"x-request-id") or new_request_id()
@@ -194,9 +197,14 @@ class ProxyDoor:
     async def _next_choice(self, r: _Request, tried: set[str]) -> WorkerScore | None:
         """The best endpoint not tried yet. The first decision's runners-up are the retry
         order; when the filters left none (a load bound can rule out every endpoint but the
-        one that just failed), the request is decided again without the ones tried."""
+        one that just failed), the request is decided again without the ones tried. A
+        runner-up taken out of rotation since (the failure that ejected the first choice
+        ejects every data-parallel rank of its worker, and ranks rank side by side) or
+        drained is skipped."""
+        workers = self.svc.fleet.workers
         for choice in r.decision.ranked:
-            if choice.worker not in tried:
+            w = workers.get(choice.worker)
+            if choice.worker not in tried and w is not None and w.available and not w.draining:
                 return choice
         try:
             r.decision = await self.svc.decide(

@@ -220,8 +220,7 @@ class WorkerChecks:
             reports += worker_reports(self.pool, h)
         log_problems(reports, self.pool.clock.now(), self._last_error_log)
 
-    @staticmethod
-    def refresh_mode(h: WorkerHandle, f: Feed) -> None:
+    def refresh_mode(self, h: WorkerHandle, f: Feed) -> None:
         """auto: events while they flow, approximate otherwise (and /health says so)."""
         if h.mode_setting in (APPROX, EVENTS):
             f.state.mode = h.mode_setting
@@ -230,4 +229,9 @@ class WorkerChecks:
         flowing = f.task is not None and (
             report is None or report.state not in (EventHealth.NO_EVENTS, EventHealth.STALE)
         )
-        f.state.mode = EVENTS if flowing else APPROX
+        mode = EVENTS if flowing else APPROX
+        if mode == APPROX and f.state.mode != APPROX:
+            # what an earlier approximate stint recorded predates what the events said
+            # since (a cache cleared, blocks evicted): guessing starts afresh
+            self.pool.fleet.approx.forget_worker(f.state.name)
+        f.state.mode = mode

@@ -287,3 +287,12 @@ async def test_splits_count_on_their_decode_worker_from_the_decision() -> None:
         assert len(s.decode.seen) == 2
         load = s.app.fleet.load.known(s.names["decode"])
         assert (load.requests, load.prefill_tokens, load.decode_blocks) == (0, 0, 0)
+
+
+async def test_requests_that_pass_through_never_go_to_a_prefill_worker() -> None:
+    """Embeddings, responses and the rest are whole requests: only a decode (or both) worker
+    takes those, as the Envoy picker already decided."""
+    async with pd_router(prefill_ok(), decode_stream()) as s:
+        for i in range(8):
+            r = await s.client.post("/v1/embeddings", json={"model": "m", "input": f"x {i}"})
+            assert r.headers["x-kvroute-worker"] == s.names["decode"]

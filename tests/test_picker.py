@@ -10,7 +10,7 @@ import pytest
 
 from indexer.clock import FakeClock
 from indexer.events import BlockStored, EventBatch
-from indexer.hashing import EngineBlockHash, Namespace
+from indexer.hashing import EngineBlockHash, Namespace, hash_request
 from indexer.health import HealthTracker
 from router.core.config import Config, ScoringConfig
 from router.core.decision import Decision, RouteRequest
@@ -580,3 +580,54 @@ def test_a_plugins_scores_are_clamped_to_0_1(given: float, kept: float) -> None:
     d = c.route(prompt(1), NS)
     assert d.score_of("w0").raw["wild"] == kept
     assert d.score_of("w1").raw["wild"] == 0.0  # a worker the scorer left out scores 0
+
+
+def _pick(fleet: FleetState, tokens: list[int]) -> Decision:
+    prof = Config(seed=0).profile("default", random.Random(0))
+    return Picker(fleet).pick(prof, RouteRequest("", Namespace(), len(tokens)), tokens)
+
+
+def test_a_worker_without_prefix_caching_is_credited_nothing() -> None:
+    """It keeps nothing of a prompt, so what was sent there must not draw its repeats."""
+    fleet = FleetState(FakeClock())
+    fleet.add(WorkerState("nocache:1", APPROX, 16, capacity_blocks=10_000, caching=False))
+    fleet.add(WorkerState("w:1", EVENTS, 16, capacity_blocks=10_000))
+    prof = Config(seed=0).profile("default", random.Random(0))
+    picker = Picker(fleet)
+    tokens = list(range(64 * 16))
+    d = _pick(fleet, tokens)
+    picker.commit(prof, d, "nocache:1")
+    assert _pick(fleet, tokens).score_of("nocache:1").overlap_blocks == 0
+
+
+def test_replicas_agree_whatever_order_they_learned_the_workers_in() -> None:
+    """Replicas learn workers in different orders (config, DNS, the admin API); the same
+    state must give the same pick."""
+    sizes = [("a:1", 16), ("b:1", 16), ("c:1", 16), ("d:1", 32), ("e:1", 32), ("f:1", 32)]
+    tokens = list(range(1000, 1512))
+    picks = set()
+    for seed in range(12):  # a new prefix over workers of two block sizes
+        order = sizes[:]
+        random.Random(seed).shuffle(order)
+        fleet = FleetState(FakeClock())
+        for name, bs in order:
+            fleet.add(WorkerState(name, EVENTS, bs))
+        picks.add(_pick(fleet, tokens).best.worker)
+    assert len(picks) == 1
+    # two workers hold the same shared system prompt and one's cache churns: the prompt
+    # moves off it, whichever of them was added first
+    system = list(range(5000, 5000 + 8 * 16))
+    prompt = system + list(range(9000, 9000 + 24 * 16))
+    best = set()
+    for names in (["a:1", "b:1"], ["b:1", "a:1"]):
+        fleet = FleetState(FakeClock())
+        for n in names:
+            fleet.add(WorkerState(n, EVENTS, 16, capacity_blocks=100))
+        for n in names:
+            fleet.predictions.record(n, hash_request(system, 16, Namespace()))
+        demand = fleet.workers["a:1"].demand
+        assert demand is not None
+        demand.add(90)
+        fleet.load.start("b:1", 64, 4)
+        best.add(_pick(fleet, prompt).best.worker)
+    assert len(best) == 1

@@ -267,3 +267,21 @@ async def test_a_client_gone_while_its_request_is_decided_never_reaches_the_work
         await raw_exchange(url, head + body, wait=0.2)  # hangs up while /tokenize runs
         await asyncio.sleep(1.0)
         assert [t for _, t, _ in worker.seen[asked:]] == [b"/tokenize"]
+
+
+async def test_a_retry_skips_a_runner_up_taken_out_of_rotation_since() -> None:
+    """The failure that ejects the first choice ejects every rank of its worker, and ranks
+    rank side by side: the retry must go to a worker still in rotation."""
+    async with fleet() as (app, _, _):
+        from router.openai_req import parse
+        from router.proxy import _Request
+
+        rin = parse("completion", b'{"model": "m", "prompt": "hello there"}')
+        decision = await app.routing.decide(rin)
+        (only,) = decision.ranked
+        request = _Request(decision, rin, b"POST", b"/v1/completions", [], b"", b"id", 0.0)
+        app.fleet.workers[only.worker].available = False  # ejected meanwhile
+        assert await app.proxy._next_choice(request, set()) is None
+        app.fleet.workers[only.worker].available = True
+        app.fleet.workers[only.worker].draining = True
+        assert await app.proxy._next_choice(request, set()) is None

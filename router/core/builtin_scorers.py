@@ -209,7 +209,8 @@ class PlacementScorer:
         holding most of it (None: it stays, and the prefix credit decides)."""
         if self.churn <= 0:
             return None
-        best = max(cands, key=lambda c: c.overlap_blocks)
+        # ties by the rendezvous hash: the worker list's order differs between replicas
+        best = max(cands, key=lambda c: (c.overlap_blocks, rendezvous(request.key, c.name)))
         if not self._churns(request, best):
             return None
 

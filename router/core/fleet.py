@@ -70,7 +70,7 @@ class FleetState:
         self.predictions = TtlIndex(clock, prediction_ttl_s)
         # what was routed to each approx-mode endpoint within approx_ttl_s: its cache guess,
         # and its recent demand on its cache (the placement scorer)
-        self.approx = TtlIndex(clock, approx_ttl_s)
+        self.approx = TtlIndex(clock, approx_ttl_s, max_entries=max_index_entries)
         self.load = LoadTracker(clock=clock)
         self.workers: dict[str, WorkerState] = {}
 

@@ -43,7 +43,9 @@ class Picker:
         lookups = {bs: self._lookups(h, pool) for bs, h in hashes.items()}
         cands = [self._candidate(w, lookups[w.block_size]) for w in pool]
         f = apply_filters(profile.filters, req, cands, self.fleet)
-        opening = next(iter(hashes.values()), [])
+        # the smallest block size's hashes, not the first in a set: replicas that learned
+        # their workers in another order must derive the same key
+        opening = hashes[min(hashes)] if hashes else []
         key = int(opening[min(len(opening), KEY_BLOCKS) - 1]) if opening else 0
         raw, timings = self._run_scorers(profile, ScoreRequest(req.prompt_tokens, key), f.eligible)
         weights = profile.weights
@@ -64,7 +66,9 @@ class Picker:
         s = decision.score_of(worker)
         hashes = decision.hashes.get(state.block_size, [])
         expects = rides = False
-        if state.mode == EVENTS:
+        if not state.caching:
+            pass  # prefix caching off: it will hold nothing of this prompt to credit later
+        elif state.mode == EVENTS:
             self.fleet.predictions.record(worker, hashes)
             found = self.fleet.index.find_matches(hashes).get(worker)
             stored = found.blocks if found else 0
