@@ -161,6 +161,22 @@ async def test_expect_100_continue_answers_the_right_client() -> None:
         ]
 
 
+@asynccontextmanager
+async def raw_upstream(
+    answer: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+) -> AsyncIterator[tuple[UpstreamPool, int]]:
+    """A server that answers with the bytes `answer` writes (what uvicorn will not send),
+    and the router's upstream pool to ask it with."""
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    pool = UpstreamPool(2.0, Timeouts(2.0, 2.0, 2.0))
+    try:
+        yield pool, server.sockets[0].getsockname()[1]
+    finally:
+        pool.close()
+        server.close()
+        await server.wait_closed()
+
+
 async def test_an_interim_answer_is_skipped_for_the_final_one() -> None:
     async def early_hints(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         for _ in range(2):  # two requests on one kept-alive connection
@@ -172,18 +188,11 @@ async def test_an_interim_answer_is_skipped_for_the_final_one() -> None:
             await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(early_hints, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    pool = UpstreamPool(2.0, Timeouts(2.0, 2.0, 2.0))
-    try:
+    async with raw_upstream(early_hints) as (pool, port):
         for _ in range(2):
             resp = await pool.request("127.0.0.1", port, b"GET", b"/", [], b"")
             assert resp.status == 200 and await resp.read() == b"real"
         assert pool.connects_on_request == 1
-    finally:
-        pool.close()
-        server.close()
-        await server.wait_closed()
 
 
 async def test_a_body_that_ends_with_the_connection_is_whole() -> None:
@@ -193,16 +202,9 @@ async def test_a_body_that_ends_with_the_connection_is_whole() -> None:
         await writer.drain()
         writer.close()
 
-    server = await asyncio.start_server(until_close, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    pool = UpstreamPool(2.0, Timeouts(2.0, 2.0, 2.0))
-    try:
+    async with raw_upstream(until_close) as (pool, port):
         resp = await pool.request("127.0.0.1", port, b"GET", b"/", [], b"")
         assert await resp.read() == b'{"ok": true}'
-    finally:
-        pool.close()
-        server.close()
-        await server.wait_closed()
 
 
 async def test_a_worker_removed_mid_request_still_answers_and_counts_clean() -> None:
