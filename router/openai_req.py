@@ -18,6 +18,11 @@ _decoder = msgspec.json.Decoder()
 # POST paths whose body is a prompt to route by, and how it is tokenized
 PROMPT_PATHS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 
+TOKEN_ID_END = 2**32  # token ids are hashed as uint32, as vLLM's events carry them
+# what pydantic (vLLM's request models) reads as a boolean besides true and false
+_TRUE = {1, "1", "true", "t", "yes", "y", "on"}
+_FALSE = {0, "0", "false", "f", "no", "n", "off"}
+
 
 @dataclass(slots=True)  # built per request: a frozen init costs ~3x
 class RoutingInput:
@@ -28,6 +33,13 @@ class RoutingInput:
     messages: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     template_extra: dict[str, Any] | None = None
+    # vLLM's defaults: the tokenizer's specials (BOS) for completions; none for chat,
+    # whose template places its own
+    add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None  # keep this many (-1: the context length)
+    truncation_side: str | None = None  # "left" | "right"; None: vLLM's default, left
+    # vLLM's -1 leaves one token of the context for output when the request asks for any
+    output_reserved: bool = True
     cache_salt: str | None = None
     stream: bool = False
     max_tokens: int = 16
@@ -37,6 +49,22 @@ class RoutingInput:
     def bodyless(cls, model: str = "") -> RoutingInput:
         """A request without a prompt (GET, or a body kvroute does not read)."""
         return cls("none", model)
+
+    def keep_tokens(self, max_model_len: int | None) -> int | None:
+        """How many prompt tokens vLLM keeps (`truncate_prompt_tokens`); None: all. A -1
+        needs the context length: unknown, nothing is cut."""
+        k = self.truncate_prompt_tokens
+        if k is None or max_model_len is None:
+            return k if k is not None and k >= 0 else None
+        if k > max_model_len:
+            raise BadRequest(
+                f"truncate_prompt_tokens={k} cannot be greater than max_model_len = "
+                f"{max_model_len}. Please request a smaller truncation size.",
+                param="truncate_prompt_tokens",
+            )
+        if k < 0:
+            return max_model_len - 1 if self.output_reserved else max_model_len
+        return k
 
 
 def parse(kind: str, body: bytes) -> RoutingInput:
@@ -53,6 +81,10 @@ def parse(kind: str, body: bytes) -> RoutingInput:
         "stream": bool(doc.get("stream", False)),
         "max_tokens": _max_tokens(doc),
         "n": _n(doc),
+        "add_special_tokens": _flag(doc, "add_special_tokens", kind != "chat"),
+        "truncate_prompt_tokens": _truncate(doc),
+        "truncation_side": _side(doc),
+        "output_reserved": _output_reserved(kind, doc),
     }
     if kind == "chat":
         return _chat(doc, common)
@@ -110,6 +142,49 @@ def _max_tokens(doc: dict[str, Any]) -> int:
     return 16
 
 
+def _flag(doc: dict[str, Any], key: str, default: bool) -> bool:
+    value = doc.get(key, default)
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        value = value.lower()
+    if isinstance(value, (int, str)) and value in _TRUE:
+        return True
+    if isinstance(value, (int, str)) and value in _FALSE:
+        return False
+    raise BadRequest(f"'{key}' must be a boolean", param=key)
+
+
+def _truncate(doc: dict[str, Any]) -> int | None:
+    value = doc.get("truncate_prompt_tokens")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < -1:
+        raise BadRequest(
+            "'truncate_prompt_tokens' must be an integer >= -1", param="truncate_prompt_tokens"
+        )
+    return value
+
+
+def _side(doc: dict[str, Any]) -> str | None:
+    value = doc.get("truncation_side")
+    if value not in (None, "left", "right"):
+        raise BadRequest(
+            "'truncation_side' must be either 'left' or 'right'", param="truncation_side"
+        )
+    return value
+
+
+def _output_reserved(kind: str, doc: dict[str, Any]) -> bool:
+    """Whether vLLM counts output tokens against the context when it resolves a -1
+    `truncate_prompt_tokens`: a completion's max_tokens (default 16), a chat's
+    max_completion_tokens or else max_tokens (default none)."""
+    if kind == "chat":
+        value = doc.get("max_completion_tokens")
+        return bool(value if value is not None else doc.get("max_tokens"))
+    return bool(doc.get("max_tokens", 16))
+
+
 def _completion(doc: dict[str, Any], common: dict[str, Any]) -> RoutingInput:
     prompt = doc.get("prompt")
     # A batch of prompts is routed by its first prompt: the others go along to the same worker.
@@ -118,14 +193,23 @@ def _completion(doc: dict[str, Any], common: dict[str, Any]) -> RoutingInput:
     if isinstance(prompt, str):
         return RoutingInput("completion", prompt_text=prompt, **common)
     if isinstance(prompt, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
     ):
         if not prompt:
             raise BadRequest("'prompt' is empty", param="prompt")
+        _check_ids(prompt)
         return RoutingInput("completion", prompt_ids=list(prompt), **common)
     raise BadRequest(
         "'prompt' must be a string, a list of token ids, or a batch of either", param="prompt"
     )
+
+
+def _check_ids(ids: list[int]) -> None:
+    if min(ids) < 0 or max(ids) >= TOKEN_ID_END:
+        bad = next(t for t in ids if not 0 <= t < TOKEN_ID_END)
+        raise BadRequest(
+            f"'prompt' holds token id {bad}, outside 0..{TOKEN_ID_END - 1}", param="prompt"
+        )
 
 
 def _chat(doc: dict[str, Any], common: dict[str, Any]) -> RoutingInput:

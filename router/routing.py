@@ -18,6 +18,7 @@ cannot be tokenized.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -40,7 +41,7 @@ from router.core.picker import Picker
 from router.core.profiles import Profile
 from router.metrics import RouterMetrics
 from router.openai_req import PROMPT_PATHS, RoutingInput
-from router.tokenize import TokenCache
+from router.tokenize import TokenCache, special_ends, truncate
 from router.tokenizers import TokenizerSet
 from router.workers import WorkerPool
 
@@ -123,9 +124,10 @@ class DecisionService:
         self._check_model(rin.model)
         base = self.fleet.base_of(rin.model)
         limit = self.fleet.max_model_len(rin.model)
-        if limit is not None:
+        keep = rin.keep_tokens(limit)
+        if limit is not None and keep is None:  # vLLM checks the length after truncating
             self._precheck_length(rin, base, limit)
-        tokens = await self.tokens(rin, base)
+        tokens = await self.tokens(rin, base, keep)
         if limit is not None and len(tokens) > limit:
             raise _too_long(limit, len(tokens), "")
         req = RouteRequest(
@@ -195,7 +197,29 @@ class DecisionService:
         lora = rin.model if base is not None else None
         return Namespace(self.config.model, lora, rin.cache_salt)
 
-    async def tokens(self, rin: RoutingInput, base: str | None) -> Sequence[int]:
+    async def tokens(
+        self, rin: RoutingInput, base: str | None, keep: int | None = None
+    ) -> Sequence[int]:
+        """The prompt's tokens as vLLM will run them: cut to `keep` when the request asks
+        for truncation (`RoutingInput.keep_tokens`)."""
+        tokens = await self._all_tokens(rin, base)
+        if keep is None or len(tokens) <= keep:
+            return tokens
+        ends = (0, 0)
+        if rin.prompt_ids is None and rin.add_special_tokens and rin.truncation_side is None:
+            ends = await self._special_ends(rin, base, tokens)
+        return truncate(tokens, keep, rin.truncation_side, ends)
+
+    async def _special_ends(
+        self, rin: RoutingInput, base: str | None, tokens: Sequence[int]
+    ) -> tuple[int, int]:
+        tok = self.tokenizers.local(rin.model, base)
+        if tok is not None:
+            return tok.special_ends
+        bare = await self._remote_tokens(dataclasses.replace(rin, add_special_tokens=False))
+        return special_ends(tokens, bare)
+
+    async def _all_tokens(self, rin: RoutingInput, base: str | None) -> Sequence[int]:
         if rin.prompt_ids is not None:
             return rin.prompt_ids
         if rin.kind == "none":
@@ -210,8 +234,11 @@ class DecisionService:
                     rin.messages,
                     add_generation_prompt=rin.add_generation_prompt,
                     extra=rin.template_extra,
+                    add_special_tokens=rin.add_special_tokens,
                 )
-            return await tok.acompletion(rin.prompt_text or "")
+            return await tok.acompletion(
+                rin.prompt_text or "", add_special_tokens=rin.add_special_tokens
+            )
         except (TypeError, ValueError) as exc:  # a chat template choking on odd messages
             raise BadRequest(f"the request cannot be tokenized: {exc}", param="messages") from None
 
@@ -222,11 +249,16 @@ class DecisionService:
                 "model": rin.model,
                 "messages": rin.messages,
                 "add_generation_prompt": rin.add_generation_prompt,
+                "add_special_tokens": rin.add_special_tokens,
             }
             if rin.template_extra:
                 body["chat_template_kwargs"] = rin.template_extra
         else:
-            body = {"model": rin.model, "prompt": rin.prompt_text}
+            body = {
+                "model": rin.model,
+                "prompt": rin.prompt_text,
+                "add_special_tokens": rin.add_special_tokens,
+            }
         key = msgspec.json.encode(body)
         cached = self._remote_cache.get(key)
         if cached is not None:

@@ -2,7 +2,8 @@
 
 Completions: the tokenizer's post-processor adds its specials (BOS for Llama-style models).
 Chat: the chat template (`router.tokenize_chat`) is rendered, then encoded without specials,
-because the template places them itself.
+because the template places them itself. A request's `add_special_tokens` overrides either
+default, as in vLLM; `truncate` cuts a prompt to its `truncate_prompt_tokens` as vLLM does.
 
 Fast on real traffic, and exact:
 
@@ -129,6 +130,11 @@ class LocalTokenizer:
         # the length floor's divisor, known before the first request (a 128k vocabulary
         # takes tens of milliseconds to walk)
         self.max_token_bytes = longest_token_bytes(self._tok)
+        probe = "Hello world"
+        self.special_ends = special_ends(
+            self._tok.encode(probe, add_special_tokens=True).ids,
+            self._tok.encode(probe, add_special_tokens=False).ids,
+        )
 
     @property
     def bos_token(self) -> str:
@@ -154,11 +160,13 @@ class LocalTokenizer:
 
     # ---- completions -----------------------------------------------------------------
 
-    def completion(self, prompt: str) -> list[int]:
-        return self._tokens(("c", prompt), prompt, specials=True).tolist()
+    def completion(self, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
+        key = ("c", prompt, add_special_tokens)
+        return self._tokens(key, prompt, specials=add_special_tokens).tolist()
 
-    async def acompletion(self, prompt: str) -> Sequence[int]:
-        return await self._atokens(("c", prompt), prompt, specials=True)
+    async def acompletion(self, prompt: str, *, add_special_tokens: bool = True) -> Sequence[int]:
+        key = ("c", prompt, add_special_tokens)
+        return await self._atokens(key, prompt, specials=add_special_tokens)
 
     # ---- chat ------------------------------------------------------------------------
 
@@ -177,14 +185,15 @@ class LocalTokenizer:
         *,
         add_generation_prompt: bool = True,
         extra: Mapping[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> list[int]:
-        key = _chat_key(messages, add_generation_prompt, extra)
+        key = _chat_key(messages, add_generation_prompt, extra, add_special_tokens)
         hit = self.cache.get(key)
         if hit is None:
             text = self.render_chat(
                 messages, add_generation_prompt=add_generation_prompt, extra=extra
             )
-            hit = self._tokens(key, text, specials=False)
+            hit = self._tokens(key, text, specials=add_special_tokens)
         return hit.tolist()
 
     async def achat(
@@ -193,13 +202,14 @@ class LocalTokenizer:
         *,
         add_generation_prompt: bool = True,
         extra: Mapping[str, Any] | None = None,
+        add_special_tokens: bool = False,
     ) -> Sequence[int]:
-        key = _chat_key(messages, add_generation_prompt, extra)
+        key = _chat_key(messages, add_generation_prompt, extra, add_special_tokens)
         hit = self.cache.get(key)
         if hit is not None:
             return hit
         text = self.render_chat(messages, add_generation_prompt=add_generation_prompt, extra=extra)
-        return await self._atokens(key, text, specials=False)
+        return await self._atokens(key, text, specials=add_special_tokens)
 
     # ---- the one path: cache, known pieces, encode the rest ---------------------------
 
@@ -283,9 +293,44 @@ def longest_token_bytes(tok: Tokenizer) -> int:
     return max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=1) or 1
 
 
+def special_ends(whole: Sequence[int], bare: Sequence[int]) -> tuple[int, int]:
+    """How many special ids the tokenizer puts before and after a text's own ids, from one
+    text encoded with (`whole`) and without (`bare`) them."""
+    n = len(bare)
+    for head in range(len(whole) - n + 1):
+        if list(whole[head : head + n]) == list(bare):
+            return head, len(whole) - n - head
+    return 0, 0
+
+
+def truncate(
+    ids: Sequence[int], keep: int, side: str | None, ends: tuple[int, int] = (0, 0)
+) -> Sequence[int]:
+    """The prompt vLLM runs for `truncate_prompt_tokens=keep` (`truncation_side=side`).
+
+    Without a side, vLLM lets the tokenizer truncate (its side is left for generative
+    models), which keeps the special ids it adds (`ends`: how many at the head and the
+    tail, as `special_ends` finds them; (0, 0) for a prompt of token ids or one encoded
+    without specials): BOS and the last `keep - 1` ids. With an explicit side, vLLM cuts
+    the encoded prompt, specials included."""
+    if len(ids) <= keep:
+        return ids
+    if keep == 0:
+        return []
+    if side == "right":
+        return list(ids[:keep])
+    head, tail = ends if side is None else (0, 0)
+    end = len(ids) - tail
+    body = max(keep - head - tail, 0)
+    out = [*ids[:head], *ids[end - body : end], *ids[end:]]
+    return out[-keep:]
+
+
 def _chat_key(
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool,
     extra: Mapping[str, Any] | None,
+    add_special_tokens: bool,
 ) -> tuple[str, str]:
-    return "m", json.dumps([messages, add_generation_prompt, extra], sort_keys=True, default=str)
+    key = [messages, add_generation_prompt, extra, add_special_tokens]
+    return "m", json.dumps(key, sort_keys=True, default=str)

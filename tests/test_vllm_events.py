@@ -14,6 +14,10 @@ from engines.vllm import events as wire
 from engines.vllm.fuzz import hostile_payloads
 from indexer import events as ev
 from indexer.capture import read_capture
+from indexer.clock import FakeClock
+from indexer.hashing import Namespace, hash_request
+from indexer.index import PrefixIndex
+from indexer.ingest import WorkerIngest
 
 FIXTURES = Path(__file__).parent / "fixtures" / "vllm-0.32.0"
 
@@ -104,6 +108,38 @@ def test_other_kv_groups_and_unknown_types_are_skipped() -> None:
     events = [stored_map(group_idx=1), {"type": "SomethingNew", "x": 1}, stored_map()]
     batch = wire.decode_batch(payload(events))
     assert batch.skipped == 2 and len(batch.events) == 1
+
+
+def wire_stored(
+    hashes: list[wire.WireHash], tokens: list[int], block_size: int, medium: str
+) -> wire.BlockStored:
+    return wire.BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=None,
+        token_ids=tokens,
+        block_size=block_size,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+    )
+
+
+def test_a_cpu_offload_store_without_tokens_is_skipped_and_its_batch_applies() -> None:
+    """vLLM's OffloadingConnector adds, to the same step's batch as the GPU stores, a
+    BlockStored with no token ids and its own (larger) block size for blocks it copied to
+    CPU. The router cannot hash it, but the GPU blocks beside it must reach the index."""
+    tokens = list(range(2 * BS))
+    gpu = wire_stored([11, 12], tokens, BS, "GPU")
+    offload = wire_stored([1234567, 7654321], [], 16 * BS, "CPU")
+    index = PrefixIndex()
+    index.add_worker("w")
+    ingest = WorkerIngest("w", index, wire.decode_batch, FakeClock())
+    ingest.on_live(0, wire.encode_batch(1.0, [gpu, offload]))
+    c = ingest.counters
+    assert (c.malformed, c.skipped_events, c.blocks_stored) == (0, 1, 2)
+    assert ingest.block_size == BS  # the offload event's block size is not learned
+    overlap = index.find_matches(hash_request(tokens, BS, Namespace()))["w"]
+    assert overlap.blocks == 2
 
 
 @pytest.mark.parametrize(

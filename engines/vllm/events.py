@@ -16,6 +16,10 @@ can apply, or raises `MalformedPayload` with a `reason` (the label of the ingest
     bad_event       an event whose fields have the wrong types, counts or ranges
     bad_extra_keys  `extra_keys` not one entry per block
 
+Well-formed events the router cannot use are skipped, not refused, and the rest of their
+batch applies: other KV-cache groups, unknown event types, and stores without token ids
+(what vLLM's offloading connectors publish for blocks they copied to CPU).
+
 Decoding tries a fully typed decoder first: it cannot recurse deeper than the structs do,
 so it needs no pre-check and is the path every payload of today's vLLM takes. Anything it
 refuses (a field from a newer vLLM, the older array layout, bytes in `extra_keys`, junk)
@@ -227,7 +231,7 @@ def decode_batch(payload: bytes, limits: Limits = LIMITS) -> ev.EventBatch:
     out: list[ev.KvEvent] = []
     for event in wire.events:
         if isinstance(event, BlockStored):
-            if not _indexed_group(event.group_idx):
+            if not _indexed_group(event.group_idx) or _tokenless(event):
                 skipped += 1
                 continue
             out.append(_stored(event))
@@ -245,6 +249,13 @@ def _indexed_group(group_idx: int | None) -> bool:
     # Hybrid models publish one chain per KV-cache group; the router matches prefixes on the
     # first (full-attention) group only.
     return group_idx is None or group_idx == 0
+
+
+def _tokenless(event: BlockStored) -> bool:
+    # vLLM's offloading connectors store blocks on another tier (medium "CPU") with no
+    # token ids when they lack the request's metadata: the router hashes tokens, so such
+    # a store gives it nothing to index, while the rest of its batch stays good.
+    return bool(event.block_hashes) and not event.token_ids
 
 
 def _hashes(raw: list[WireHash]) -> list[EngineBlockHash]:
