@@ -271,6 +271,11 @@ class _PoolCollector(Collector):
                 ("out_of_order", "Batches with an old sequence number, dropped"),
                 ("unknown_parent", "BlockStored events whose parent was never seen"),
                 (
+                    "skipped_events",
+                    "KV events not indexed: another KV-cache group's (a hybrid model's) or "
+                    "an offload store without token ids",
+                ),
+                (
                     "refetched_blocks",
                     "GPU blocks a worker stored again soon after evicting them: its cache is "
                     "losing what it is asked for again (rising: the prefixes routed to it do "

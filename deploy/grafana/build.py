@@ -169,6 +169,7 @@ def events() -> list[Panel]:
         "restarts",
         "out_of_order",
         "unknown_parent",
+        "skipped_events",
         "subscriber_restarts",
     ]
     return [
