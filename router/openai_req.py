@@ -6,6 +6,7 @@ routed by the body's `model` (embeddings by their input as well): `parse_passthr
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,7 @@ class RoutingInput:
     messages: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     template_extra: dict[str, Any] | None = None
+    tools: list[Any] | None = None  # as vLLM hands them to the template (`vllm_tools`)
     # vLLM's defaults: the tokenizer's specials (BOS) for completions; none for chat,
     # whose template places its own
     add_special_tokens: bool = True
@@ -227,17 +229,63 @@ def _chat(doc: dict[str, Any], common: dict[str, Any]) -> RoutingInput:
             )
     # vLLM renders a missing or null content as an empty one (an assistant turn with tool
     # calls); the copy tokenized here does the same, the body forwarded stays untouched
-    messages = [m if m.get("content") is not None else {**m, "content": ""} for m in messages]
+    messages = [vllm_message(m) for m in messages]
     extra = doc.get("chat_template_kwargs")
     if extra is not None and not isinstance(extra, dict):
         raise BadRequest("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
     tools = doc.get("tools")
-    if tools is not None:
-        extra = {**(extra or {}), "tools": tools}
+    if tools is not None and not isinstance(tools, list):
+        raise BadRequest("'tools' must be a list", param="tools")
     return RoutingInput(
         "chat",
         messages=messages,
         add_generation_prompt=bool(doc.get("add_generation_prompt", True)),
         template_extra=extra,
+        tools=None if tools is None else [vllm_tool(t) for t in tools],
         **common,
     )
+
+
+def vllm_message(m: dict[str, Any]) -> dict[str, Any]:
+    """A chat message as vLLM gives it to the template, for the copy tokenized here (the
+    body forwarded stays untouched): a null content is empty (an assistant turn with tool
+    calls); a null or empty `tool_calls` is dropped; each call's JSON `arguments` string is
+    parsed into an object. Rendered otherwise, tool traffic stopped matching the engine's
+    cache at the first tool call."""
+    out = m if m.get("content") is not None else {**m, "content": ""}
+    if "tool_calls" not in out:
+        return out
+    calls = out["tool_calls"]
+    if not calls:
+        return {k: v for k, v in out.items() if k != "tool_calls"}
+    if not isinstance(calls, list):
+        return out
+    return {**out, "tool_calls": [_parsed_call(c) for c in calls]}
+
+
+def _parsed_call(call: Any) -> Any:
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    arguments = call["function"].get("arguments")
+    if isinstance(arguments, dict):
+        return call
+    try:
+        parsed = json.loads(arguments) if arguments else {}
+    except (TypeError, ValueError):
+        return call  # vLLM refuses it; the engine's 400 says so
+    return {**call, "function": {**call["function"], "arguments": parsed}}
+
+
+def vllm_tool(tool: Any) -> Any:
+    """A tool as vLLM's request model dumps it for the template: `type` first, and the
+    function's `description` and `parameters` present (null when not given), in that
+    order; other keys after. The template's tojson prints what it is given, key order
+    included."""
+    if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
+        return tool
+    f = tool["function"]
+    fn = {k: f.get(k) for k in ("name", "description", "parameters")}
+    fn.update({k: v for k, v in f.items() if k not in fn})
+    out = {"type": tool.get("type", "function"), "function": fn}
+    out.update({k: v for k, v in tool.items() if k not in out})
+    return out

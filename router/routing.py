@@ -233,7 +233,9 @@ class DecisionService:
                 return await tok.achat(
                     rin.messages,
                     add_generation_prompt=rin.add_generation_prompt,
-                    extra=rin.template_extra,
+                    extra=rin.template_extra
+                    if rin.tools is None
+                    else {**(rin.template_extra or {}), "tools": rin.tools},
                     add_special_tokens=rin.add_special_tokens,
                 )
             return await tok.acompletion(
@@ -251,6 +253,8 @@ class DecisionService:
                 "add_generation_prompt": rin.add_generation_prompt,
                 "add_special_tokens": rin.add_special_tokens,
             }
+            if rin.tools is not None:  # the worker's own /tokenize normalises them as here
+                body["tools"] = rin.tools
             if rin.template_extra:
                 body["chat_template_kwargs"] = rin.template_extra
         else:

@@ -299,3 +299,45 @@ async def test_token_id_prompts_keep_their_last_ids() -> None:
         tokens = list(await app.routing.tokens(rin, None, rin.keep_tokens(MAX_MODEL_LEN)))
         decision = await app.routing.decide(rin)
     assert tokens == ids[-64:] and decision.request.prompt_tokens == 64
+
+
+def test_tool_traffic_renders_as_vllm_renders_it() -> None:
+    """vLLM hands the template each tool as its request model dumps it (description and
+    parameters present, null when not given, in that order), each tool call's JSON
+    arguments parsed, and no null tool_calls; the template prints what it gets."""
+    from router.tokenize_chat import compile_template, render
+
+    template = compile_template(
+        "{{ tools | tojson }}|{% for m in messages %}{{ m['role'] }}:{{ m['content'] }}"
+        "{% if m['tool_calls'] is defined %}{{ m['tool_calls'] | tojson }}{% endif %};"
+        "{% endfor %}"
+    )
+    body = {
+        "model": "m",
+        "tools": [{"type": "function", "function": {"name": "get_weather"}}],
+        "messages": [
+            {"role": "user", "content": "weather?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "content": "cold", "tool_call_id": "c1"},
+            {"role": "assistant", "content": "It is cold.", "tool_calls": None},
+        ],
+    }
+    rin = parse("chat", json.dumps(body).encode())
+    assert rin.messages is not None and rin.tools is not None
+    text = render(template, {}, rin.messages, False, {"tools": rin.tools})
+    tools, _, turns = text.partition("|")
+    function = {"name": "get_weather", "description": None, "parameters": None}
+    assert json.loads(tools) == [{"type": "function", "function": function}]
+    assert list(json.loads(tools)[0]["function"]) == ["name", "description", "parameters"]
+    assert '"arguments": {"city": "Oslo"}' in turns
+    assert turns.endswith("assistant:It is cold.;")  # the null tool_calls dropped, no 400
