@@ -66,3 +66,6 @@ class EngineAdapter:
     event_sources_path: str
     parse_metrics: Callable[[str], EngineMetrics]
     hints: EngineHints
+    # a decoder for one worker's stream, when decoding needs what earlier batches said
+    # (vLLM: which KV-cache group is full attention); None: `decode_batch` itself
+    stream_decoder: Callable[[], Callable[[bytes], EventBatch]] | None = None

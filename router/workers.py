@@ -308,10 +308,11 @@ class WorkerPool:
             feed.task.cancel()
         state.health.endpoint = src.endpoint
         feed.source = src
+        make_decoder = h.adapter.stream_decoder
         feed.ingest = WorkerIngest(
             state.name,
             self.fleet.index,
-            h.adapter.decode_batch,
+            make_decoder() if make_decoder is not None else h.adapter.decode_batch,
             self.clock,
             health=state.health,
             has_replay=src.replay_endpoint is not None,

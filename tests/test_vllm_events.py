@@ -221,3 +221,30 @@ def test_encoder_omits_defaults_and_puts_type_first() -> None:
         "group_idx": 0,
     }
     assert next(iter(decoded[1][0])) == "type"
+
+
+def test_a_hybrid_models_full_attention_group_is_indexed_whatever_its_number() -> None:
+    """A model whose first layer is sliding-window (Gemma 3, gpt-oss) has group 0 sliding:
+    its blocks go as the window moves, while the full-attention group still holds the
+    prefix. The stream's decoder learns the full group from the stores and keeps to it,
+    for removals too (which do not name their kind)."""
+    tokens = list(range(3 * BS))
+    hashes: list[wire.WireHash] = [21, 22, 23]
+
+    def group(idx: int, kind: str) -> wire.BlockStored:
+        s = wire_stored(hashes, tokens, BS, "GPU")
+        return msgspec.structs.replace(s, group_idx=idx, kv_cache_spec_kind=kind)
+
+    index = PrefixIndex()
+    index.add_worker("w")
+    ingest = WorkerIngest("w", index, wire.StreamDecoder(), FakeClock())
+    stores = [group(0, "sliding_window"), group(1, "full_attention")]
+    ingest.on_live(0, wire.encode_batch(1.0, stores))
+    slid = wire.BlockRemoved(block_hashes=hashes[:2], medium="GPU", group_idx=0)
+    ingest.on_live(1, wire.encode_batch(2.0, [slid]))  # the window moved on
+    request = hash_request(tokens, BS, Namespace())
+    assert index.find_matches(request)["w"].blocks == 3
+    evicted = wire.BlockRemoved(block_hashes=hashes, medium="GPU", group_idx=1)
+    ingest.on_live(2, wire.encode_batch(3.0, [evicted]))
+    assert "w" not in index.find_matches(request)
+    assert ingest.counters.skipped_events == 2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engines.base import EngineAdapter
 from engines.vllm.discovery import event_sources, parse_metrics
-from engines.vllm.events import decode_batch
+from engines.vllm.events import StreamDecoder, decode_batch
 from engines.vllm.hints import HINTS
 
 ADAPTER = EngineAdapter(
@@ -14,4 +14,5 @@ ADAPTER = EngineAdapter(
     event_sources_path="/kv_event_sources",
     parse_metrics=parse_metrics,
     hints=HINTS,
+    stream_decoder=StreamDecoder,
 )

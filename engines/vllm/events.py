@@ -28,6 +28,7 @@ is first walked by `engines.msgpack_guard` and only then handed to the lenient d
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 import msgspec
@@ -224,19 +225,25 @@ def _from_array(arr: _ArrStored | _ArrRemoved | _ArrCleared) -> WireEvent:
     return AllBlocksCleared()
 
 
-def decode_batch(payload: bytes, limits: Limits = LIMITS) -> ev.EventBatch:
+def decode_batch(
+    payload: bytes, limits: Limits = LIMITS, stream: StreamDecoder | None = None
+) -> ev.EventBatch:
     """Decode a vLLM payload into engine-neutral events the index applies. Everything the
-    index could choke on is refused here, before any of the batch is applied."""
+    index could choke on is refused here, before any of the batch is applied. `stream`:
+    what this worker's earlier batches said of its KV-cache groups (`StreamDecoder`)."""
     wire, skipped = decode_wire(payload, limits)
+    full = 0
+    if stream is not None:
+        full = stream.learn(wire.events)
     out: list[ev.KvEvent] = []
     for event in wire.events:
         if isinstance(event, BlockStored):
-            if not _indexed_group(event.group_idx) or _tokenless(event):
+            if not _indexed_group(event.group_idx, full) or _tokenless(event):
                 skipped += 1
                 continue
             out.append(_stored(event))
         elif isinstance(event, BlockRemoved):
-            if not _indexed_group(event.group_idx):
+            if not _indexed_group(event.group_idx, full):
                 skipped += 1
                 continue
             out.append(ev.BlockRemoved(_hashes(event.block_hashes), event.medium or "GPU"))
@@ -245,10 +252,37 @@ def decode_batch(payload: bytes, limits: Limits = LIMITS) -> ev.EventBatch:
     return ev.EventBatch(wire.ts, out, wire.data_parallel_rank, skipped)
 
 
-def _indexed_group(group_idx: int | None) -> bool:
-    # Hybrid models publish one chain per KV-cache group; the router matches prefixes on the
-    # first (full-attention) group only.
-    return group_idx is None or group_idx == 0
+class StreamDecoder:
+    """`decode_batch` for one worker's stream. Hybrid models publish one chain per
+    KV-cache group, and the router matches prefixes on the full-attention group only. vLLM
+    numbers the groups by the first layer of each kind it meets, so for a model whose first
+    layer is sliding-window (Gemma 3, gpt-oss) group 0 is a sliding-window group, which
+    frees its blocks as the window moves: indexed, prefixes the engine still holds in full
+    attention would look evicted. `BlockStored` names its group's kind; `BlockRemoved`
+    only its group, so the full-attention group is learned from the first and held."""
+
+    def __init__(self, limits: Limits = LIMITS) -> None:
+        self.limits = limits
+        self.full_group: int | None = None  # None: not told yet (group 0, as vLLM's default)
+
+    def __call__(self, payload: bytes) -> ev.EventBatch:
+        return decode_batch(payload, self.limits, self)
+
+    def learn(self, events: Sequence[Any]) -> int:
+        """The full-attention group, from this batch's stores if none was learned yet."""
+        if self.full_group is None:
+            for event in events:
+                if isinstance(event, BlockStored) and event.kv_cache_spec_kind == FULL_ATTENTION:
+                    self.full_group = event.group_idx or 0
+                    break
+        return self.full_group or 0
+
+
+FULL_ATTENTION = "full_attention"
+
+
+def _indexed_group(group_idx: int | None, full: int) -> bool:
+    return group_idx is None or group_idx == full
 
 
 def _tokenless(event: BlockStored) -> bool:
