@@ -56,6 +56,12 @@ _json = msgspec.json.Decoder()
 
 
 FORWARDED = (b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host")
+RANK_HEADER = b"x-data-parallel-rank"  # vLLM routes a request to this data-parallel rank
+
+
+def with_rank(headers: list[tuple[bytes, bytes]], rank: int | None) -> list[tuple[bytes, bytes]]:
+    """The headers for an endpoint that is a data-parallel rank (None: the engine picks)."""
+    return headers if rank is None else [*headers, (RANK_HEADER, b"%d" % rank)]
 
 
 class ConnectFailed(Exception):

@@ -93,6 +93,12 @@ def parse(kind: str, body: bytes) -> RoutingInput:
     return _completion(doc, common)
 
 
+def parse_request(kind: str | None, path: str, body: bytes) -> RoutingInput:
+    """A request as every door routes it: completions and chat (`kind`, from the path) by
+    their prompt, any other path by its body (`parse_passthrough`)."""
+    return parse(kind, body) if kind is not None else parse_passthrough(path, body)
+
+
 def parse_passthrough(path: str, body: bytes) -> RoutingInput:
     """Any other endpoint: its `model` if the body is a JSON object naming one; embeddings
     also by their input (tokenized like a completion prompt)."""

@@ -25,9 +25,16 @@ from router.asgi import CLIENT_GONE, Receive, Scope, Send, check_length, header,
 from router.core.config import Config
 from router.core.decision import Constraints, Decision, WorkerScore
 from router.core.errors import BadRequest, KvrouteError, MethodNotAllowed, Overloaded, UpstreamError
-from router.forward import ConnectFailed, Forwarder, Outcome, WorkerTimedOut, upstream_headers
+from router.forward import (
+    ConnectFailed,
+    Forwarder,
+    Outcome,
+    WorkerTimedOut,
+    upstream_headers,
+    with_rank,
+)
 from router.metrics import RouterMetrics
-from router.openai_req import RoutingInput, parse, parse_passthrough
+from router.openai_req import RoutingInput, parse_request
 from router.routing import DecisionService, Ticket
 from router.tracing import DecisionTracer
 from router.upstream import Timeouts
@@ -37,8 +44,6 @@ if TYPE_CHECKING:
     from router.pd.door import PDDoor
 
 log = logging.getLogger("kvroute.proxy")
-
-RANK_HEADER = b"x-data-parallel-rank"  # vLLM routes a request to this data-parallel rank
 
 # Request ids unique across processes and restarts (engines match a P/D handoff's legs by
 # them): 64 random bits per process, then a counter. uuid4 per request read /dev/urandom
@@ -117,7 +122,7 @@ class ProxyDoor:
         t0: float,
         t0_ns: int,
     ) -> None:
-        rin = parse(kind, body) if kind is not None else parse_passthrough(path, body)
+        rin = parse_request(kind, path, body)
         pd_fleet = self.pd is not None and self.pd.active
         pd = kind is not None and pd_fleet
         # with prefill workers, a request that passes through (embeddings, responses, ...)
@@ -161,7 +166,7 @@ class ProxyDoor:
             if h is None:
                 continue
             rank = self.svc.fleet.workers[choice.worker].rank
-            sent = r.headers if rank is None else [*r.headers, (RANK_HEADER, b"%d" % rank)]
+            sent = with_rank(r.headers, rank)
             ticket = self.svc.start(r.decision, choice.worker)
             outcome: str | None = "error"
             try:

@@ -30,9 +30,8 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from router.core.errors import KvrouteError, NoWorkerAvailable, PayloadTooLarge
 from router.extproc import gie
 from router.extproc.cli import DEFAULT_MAX_BODY  # bodies the picker takes (413 above)
-from router.forward import UsageSniffer, cached_tokens_of
-from router.openai_req import RoutingInput, parse, parse_passthrough
-from router.proxy import RANK_HEADER
+from router.forward import RANK_HEADER, UsageSniffer, cached_tokens_of
+from router.openai_req import RoutingInput, parse_request
 from router.routing import Constraints, DecisionService
 
 log = logging.getLogger("kvroute.extproc")
@@ -144,10 +143,7 @@ class Exchange:
         body = b"".join(self.body)
         self.body = []
         try:
-            if self.kind is not None:
-                rin = parse(self.kind, body)
-            else:
-                rin = parse_passthrough(self.path, body)
+            rin = parse_request(self.kind, self.path, body)
         except KvrouteError as exc:
             return [_error(exc)]
         phase = "request_headers" if self.duplex_request else "request_body"

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from router.asgi import Message, Send
 from router.core.config import Config
 from router.core.decision import Decision
-from router.forward import ConnectFailed, Forwarder, Outcome, WorkerTimedOut
+from router.forward import ConnectFailed, Forwarder, Outcome, WorkerTimedOut, with_rank
 from router.openai_req import RoutingInput
 from router.pd.model import Plan
 from router.pd.wire import params_problem, prefill_body, response_params
@@ -28,7 +28,6 @@ from router.workers import WorkerHandle
 
 log = logging.getLogger("kvroute.pd")
 
-RANK_HEADER = b"x-data-parallel-rank"
 HANDSHAKE_S = 10.0  # a decode leg's first pull from an engine handshakes (vLLM: up to 5 s)
 PULL_SLACK = 4.0  # times the predicted transfer a decode leg may take beyond its prefill
 UNKNOWN_MS_PER_TOKEN = 1.0  # transfer time assumed while the link is unknown (~1 GbE, 88 KB)
@@ -64,10 +63,6 @@ class PrefillAnswer:
     params: dict[str, Any]
     cached_tokens: int | None
     seconds: float
-
-
-def with_rank(headers: list[tuple[bytes, bytes]], rank: int | None) -> list[tuple[bytes, bytes]]:
-    return headers if rank is None else [*headers, (RANK_HEADER, b"%d" % rank)]
 
 
 async def prefill_leg(
