@@ -16,6 +16,7 @@ import asyncio
 import itertools
 import logging
 import os
+import re
 import time
 import urllib.parse
 from typing import TYPE_CHECKING, Any, Protocol
@@ -282,6 +283,9 @@ class _Request:
         self.first_byte: float | None = None
 
 
+_NOT_IN_TARGET = re.compile(rb"[\x00-\x20\x7f]")  # spaces and control bytes
+
+
 def request_target(scope: Scope) -> bytes:
     """The path and query to send the worker, as the client encoded them. The decoded
     `path` must never be written into the request line: a `%0D%0A` in it would become a
@@ -292,7 +296,7 @@ def request_target(scope: Scope) -> bytes:
     target = raw if raw else urllib.parse.quote(scope["path"]).encode()
     if scope.get("query_string"):
         target += b"?" + scope["query_string"]
-    if any(b <= 0x20 or b == 0x7F for b in target):
+    if _NOT_IN_TARGET.search(target) is not None:
         raise BadRequest("the request target has spaces or control characters")
     return target
 
