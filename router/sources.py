@@ -34,10 +34,11 @@ class WorkerSources:
         self._tasks: list[asyncio.Task[None]] = []
         self._file_mtime = 0.0
 
-    def merged(self) -> tuple[WorkerConfig, ...]:
-        """Every source's workers, each worker once (the first source naming it wins)."""
+    def merged(self, listed: tuple[WorkerConfig, ...] | None = None) -> tuple[WorkerConfig, ...]:
+        """Every source's workers, each worker once (the first source naming it wins);
+        `listed`: in place of the config's or admin API's list."""
         out: dict[str, WorkerConfig] = {}
-        for w in (*self.listed, *self.from_file, *self.from_dns):
+        for w in (*(self.listed if listed is None else listed), *self.from_file, *self.from_dns):
             out.setdefault(w.name, w)
         return tuple(out.values())
 
@@ -69,13 +70,10 @@ class WorkerSources:
         """The admin API's new list (URLs or mappings), checked like the config's."""
         workers = parse_workers(raw, "workers")
         validate_workers(workers, self.config.mode, whole=False)
-        previous, self.listed = self.listed, workers
-        try:
-            validate_workers(self.merged(), self.config.mode)
-        except ConfigError:
-            self.listed = previous  # refused: the current list stays
-            raise
-        await self._apply("the admin API")
+        merged = self.merged(listed=workers)
+        validate_workers(merged, self.config.mode)  # refused: the current list stays
+        self.listed = workers
+        await self._set(merged, "the admin API")
         return workers
 
     async def _apply(self, origin: str) -> None:
@@ -89,6 +87,9 @@ class WorkerSources:
                 "worker list from %s refused: %s (keeping the current list)", origin, err.message
             )
             return
+        await self._set(merged, origin)
+
+    async def _set(self, merged: tuple[WorkerConfig, ...], origin: str) -> None:
         await self.pool.set_workers(merged)
         log.warning("worker list from %s: %s", origin, ", ".join(w.name for w in merged) or "none")
 
