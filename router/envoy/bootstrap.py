@@ -15,6 +15,9 @@ What it wires, and why:
   usage.cached_tokens), or not at all (`"skip"`: one gRPC round trip less per response
   chunk; the picker then takes the first token at the response headers and the end at the
   stream's close, which Envoy holds open until the response is done).
+- Envoy's access log goes to the picker over gRPC, one entry per request at once: the
+  ext_proc stream closes alike for a completed response, a client hang-up and a worker that
+  broke off, and the log's response flags tell the picker which (router/extproc/endings.py).
 - The served endpoint goes back to the picker as the response header
   `x-gateway-destination-endpoint-served` (%UPSTREAM_HOST%), which it reads for load
   accounting.
@@ -150,6 +153,7 @@ def _listener(cfg: GatewayConfig) -> dict[str, Any]:
         "request_timeout": "0s",
         "route_config": _routes(cfg),
         "local_reply_config": _local_replies(cfg),
+        **({"access_log": [_picker_access_log()]} if cfg.ext_proc is not None else {}),
         "http_filters": [
             _strip_filter(),
             *([_ext_proc_filter(cfg)] if cfg.ext_proc is not None else []),
@@ -219,6 +223,25 @@ def _local_replies(cfg: GatewayConfig) -> dict[str, Any]:
     }
     return {
         "mappers": [{"filter": {"extension_filter": only_envoys_own}, "body_format_override": body}]
+    }
+
+
+def _picker_access_log() -> dict[str, Any]:
+    """Each request's access-log entry, sent to the picker at once: it is how the picker
+    tells a client hang-up from a worker that broke off its response (and, response bodies
+    skipped, from a completed one), which the ext_proc stream's close does not say."""
+    common = {
+        "log_name": "kvroute",
+        "transport_api_version": "V3",
+        "grpc_service": {"envoy_grpc": {"cluster_name": PICKER}},
+        "buffer_size_bytes": 0,
+    }
+    return {
+        "name": "envoy.access_loggers.http_grpc",
+        "typed_config": {
+            "@type": T + "envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+            "common_config": common,
+        },
     }
 
 

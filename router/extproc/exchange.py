@@ -14,9 +14,11 @@ in `protocol_config`):
   the headers answer (with the decision) is deferred until the body's end, then the body is
   handed back in chunks of at most 62 KB. A body that trailers end (HTTP/2) goes back whole
   inside the headers answer instead, which also lets the trailers through.
-Response bodies are only read (STREAMED) or handed back as they come (FULL_DUPLEX_STREAMED).
-A stream that closes before its response ended counts as a client hang-up (the outcome
-`client_disconnected`, as the proxy counts it).
+Response bodies are only read (STREAMED) or handed back as they come (FULL_DUPLEX_STREAMED),
+or skipped (NONE: the headers are the first sign of output, the stream's close the end).
+A stream that closes before its response ended in band is concluded from Envoy's access log
+(`endings`): a client hang-up is the outcome `client_disconnected`, a worker that broke off
+its response a 502, each as the proxy counts it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import msgspec
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 
 from router.core.errors import KvrouteError, NoWorkerAvailable, PayloadTooLarge
+from router.extproc import endings as ends
 from router.extproc import gie
 from router.extproc.cli import DEFAULT_MAX_BODY  # bodies the picker takes (413 above)
 from router.forward import RANK_HEADER, UsageSniffer, cached_tokens_of
@@ -49,7 +52,7 @@ WORKER_HEADER = "x-kvroute-worker"
 RANK = RANK_HEADER.decode()
 
 Responses = list[gie.ProcessingResponse]
-_REQUEST_HEADERS = frozenset({":method", ":path"})
+_REQUEST_HEADERS = frozenset({":method", ":path", "x-request-id"})
 _RESPONSE_HEADERS = frozenset({":status", "content-type"})
 _encode = msgspec.json.encode
 
@@ -57,9 +60,17 @@ _encode = msgspec.json.encode
 class Exchange:
     """The state of one gRPC stream; `handle` answers each message Envoy sends."""
 
-    def __init__(self, svc: DecisionService, max_body_bytes: int = DEFAULT_MAX_BODY) -> None:
+    def __init__(
+        self,
+        svc: DecisionService,
+        max_body_bytes: int = DEFAULT_MAX_BODY,
+        endings: ends.Endings | None = None,
+    ) -> None:
         self.svc = svc
         self.max_body_bytes = max_body_bytes
+        self.endings = endings or ends.Endings()
+        self.rid = ""  # Envoy's x-request-id, the access log's name for this request
+        self.listening = False  # the endings will say how it ended
         self.body_bytes = 0
         self.duplex_request = False
         self.buffered_request = False
@@ -110,6 +121,7 @@ class Exchange:
         headers = gie.headers_of(req.request_headers, _REQUEST_HEADERS)
         method = headers.get(":method", "GET")
         path = headers.get(":path", "/").split("?", 1)[0]
+        self.rid = headers.get("x-request-id", "")
         if method == "GET" and path == "/v1/models":
             return [gie.immediate(200, _encode(self.svc.models_doc()))]
         self.path = path
@@ -171,6 +183,7 @@ class Exchange:
             raise NoWorkerAvailable("no eligible worker for this request")
         self.worker = self.picked = first = decision.ranked[0].worker
         self.ticket = self.svc.start(decision, first)
+        self.listening = self.endings.expect(self.rid)
         # A data-parallel rank is asked for by a header, and the same header reaches
         # whichever fallback serves: the fallbacks are the endpoints it is right for (the
         # same rank, or none), one per address (ranks of one worker share its address).
@@ -234,19 +247,39 @@ class Exchange:
         if self.ticket is None:
             return
         ticket, self.ticket = self.ticket, None
+        if self.listening:
+            self.endings.forget(self.rid)
         self.svc.finish(ticket, status=self.status, cached_tokens=cached_tokens)
 
     def close(self) -> None:
-        """The stream ended: the response is done (response bodies skipped, headers seen) or
-        the request was abandoned: the client hung up (or the upstream reset, or the gateway
-        gave up: Envoy closes the stream the same way for all three)."""
+        """The stream ended with a ticket open: Envoy closes it the same way whether the
+        response completed (response bodies skipped), the client hung up or the worker broke
+        off, so Envoy's access log says which (`endings`)."""
         if self.ticket is None:
             return
-        if not self.reads_response and self.status:
-            self._finish(None)
+        if self.listening:
+            self.endings.when_known(self.rid, self._ended)
+        else:
+            self._ended(None)
+
+    def _ended(self, ending: str | None) -> None:
+        if self.ticket is None:
             return
+        if ending is None:
+            # No access log (or no verdict): the safer guess. Bodies skipped, the close is
+            # the only end Envoy shows, and most responses complete: their headers' status.
+            # Otherwise a hang-up: a guess must never count against a worker.
+            done = not self.reads_response and self.status > 0
+            ending = ends.COMPLETED if done else ends.CLIENT_GONE
         ticket, self.ticket = self.ticket, None
-        self.svc.finish(ticket, status=0, outcome="client_disconnected")
+        if ending == ends.UPSTREAM_BROKE:
+            # as the proxy counts a response its worker cut short (forward.py: 502)
+            cached = self.sniffer.cached_tokens if self.streaming else None
+            self.svc.finish(ticket, status=502, cached_tokens=cached)
+        elif ending == ends.COMPLETED and self.status:
+            self.svc.finish(ticket, status=self.status)
+        else:
+            self.svc.finish(ticket, status=0, outcome="client_disconnected")
 
 
 def _error(exc: KvrouteError) -> gie.ProcessingResponse:

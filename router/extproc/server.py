@@ -9,6 +9,21 @@ inside `kvroute serve`'s process (same index, same load, same decision service a
 Health answers for "" and "liveness" (the process can decide at all: svc.live) and for
 "readiness" and the ExternalProcessor service name (a worker can take traffic: svc.ready);
 Envoy health-checks the latter so that failure-mode open skips a picker that is not ready.
+
+The same port takes Envoy's gRPC access log (AccessLogService), optional: with it the picker
+tells a client hang-up from a worker that broke off its response and, response bodies
+skipped, from a completed response (router/extproc/endings.py). Envoy side, on the HTTP
+connection manager:
+
+    access_log:
+    - name: envoy.access_loggers.http_grpc
+      typed_config:
+        "@type": type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig
+        common_config:
+          log_name: kvroute
+          transport_api_version: V3
+          grpc_service: {envoy_grpc: {cluster_name: kvroute_picker}}
+          buffer_size_bytes: 0
 """
 
 from __future__ import annotations
@@ -22,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
@@ -29,6 +45,7 @@ from grpc_health.v1.health import aio as health_aio
 from router.core.errors import ConfigError
 from router.extproc import gie
 from router.extproc.cli import DEFAULT_MAX_BODY
+from router.extproc.endings import Endings, log_entries
 from router.extproc.exchange import Exchange
 from router.routing import DecisionService
 
@@ -68,20 +85,41 @@ class TlsFiles:
 
 
 class _Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, svc: DecisionService, max_body_bytes: int) -> None:
+    def __init__(self, svc: DecisionService, max_body_bytes: int, endings: Endings) -> None:
         self.svc = svc
         self.max_body_bytes = max_body_bytes
+        self.endings = endings
 
     async def Process(
         self, requests: AsyncIterator[gie.ProcessingRequest], context: Any
     ) -> AsyncIterator[gie.ProcessingResponse]:
-        exchange = Exchange(self.svc, self.max_body_bytes)
+        exchange = Exchange(self.svc, self.max_body_bytes, self.endings)
         try:
             async for req in requests:
                 for resp in await exchange.handle(req):
                     yield resp
         finally:
             exchange.close()
+
+
+class _AccessLog(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
+    """Envoy's access-log stream: each entry's ending goes to the exchange it names."""
+
+    def __init__(self, endings: Endings) -> None:
+        self.endings = endings
+
+    async def StreamAccessLogs(self, messages: AsyncIterator[Any], context: Any) -> Any:
+        self.endings.streams += 1
+        try:
+            async for message in messages:
+                for rid, ending in log_entries(message):
+                    try:
+                        self.endings.tell(rid, ending)
+                    except Exception:  # one bad conclusion must not stop the log
+                        log.exception("ext_proc: concluding request %s failed", rid)
+        finally:
+            self.endings.streams -= 1
+        return als_pb2.StreamAccessLogsResponse()
 
 
 class ExtProcServer:
@@ -101,6 +139,7 @@ class ExtProcServer:
         self.host = host
         self.port = port
         self.tls = tls
+        self.endings = Endings()
         self.health = health_aio.HealthServicer()
         self._published: dict[str, int] = {}
         self._server: grpc.aio.Server | None = None
@@ -109,8 +148,9 @@ class ExtProcServer:
     async def start(self) -> None:
         server = grpc.aio.server(options=SERVER_OPTIONS)
         pb_grpc.add_ExternalProcessorServicer_to_server(
-            _Processor(self.svc, self.max_body_bytes), server
+            _Processor(self.svc, self.max_body_bytes, self.endings), server
         )
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(_AccessLog(self.endings), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         address = f"{self.host}:{self.port}"
         if self.tls is not None:
@@ -136,6 +176,7 @@ class ExtProcServer:
             await self.health.enter_graceful_shutdown()
             await self._server.stop(grace_s)
             self._server = None
+        self.endings.close()  # requests still waiting for their verdict: the guess
 
     async def _health_loop(self) -> None:
         while True:

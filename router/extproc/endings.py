@@ -1,0 +1,138 @@
+"""How each request really ended, from Envoy's gRPC access log, for the exchanges whose
+ext_proc stream closed before their response ended.
+
+Envoy 1.40 closes an ext_proc stream the same way (a half-close, then a reset) when the
+response completed, when the client hung up and when the worker broke off its response, and
+it sends nothing more first: no response trailers unless the worker sent some, no
+end_of_stream when response bodies are skipped, and `response_attributes` are evaluated
+once, at the response headers. Its access log does tell them apart, by the response flags
+and `response_code_details`. Pointed at the picker's own gRPC port
+(`envoy.access_loggers.http_grpc`, `buffer_size_bytes: 0` so that each entry goes at once),
+each entry arrives within milliseconds of the stream's close, before or after it, and names
+the request by its `x-request-id`, which the exchange read from the request headers.
+
+    endings = Endings()
+    endings.expect(rid)                   # a ticket started for this request
+    endings.tell(rid, ending_of(entry))   # the access log (any order with the close)
+    endings.when_known(rid, conclude)     # the stream closed: conclude(ending or None)
+    endings.forget(rid)                   # the response ended in band: no verdict needed
+
+`conclude` gets None when no access log is streaming here (Envoy not configured for it),
+when two requests share an id (a client-chosen one that Envoy kept), or after `wait_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from envoy.data.accesslog.v3 import accesslog_pb2
+
+COMPLETED = "completed"
+CLIENT_GONE = "client_disconnected"
+UPSTREAM_BROKE = "upstream_broke"  # the worker reset or closed a response that had started
+# Envoy's response code details for a worker that broke off after its response headers
+_BROKE_DETAILS = "upstream_reset_after_response_started"
+# Envoy sends an entry at once with buffer_size_bytes 0; its default batching flushes every
+# second: a verdict later than this is given up on (the exchange concludes with None).
+WAIT_S = 2.0
+
+Conclude = Callable[[str | None], None]
+
+
+class Timer(Protocol):
+    def cancel(self) -> None: ...
+
+
+Later = Callable[[float, Callable[[], None]], Timer]
+
+
+def ending_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> str | None:
+    """The ending an access-log entry reports; None for any other (a timeout, a local reply)."""
+    details = entry.response.response_code_details
+    flags = entry.common_properties.response_flags
+    if details.startswith(_BROKE_DETAILS):
+        return UPSTREAM_BROKE
+    if flags.downstream_connection_termination or flags.downstream_remote_reset:
+        return CLIENT_GONE
+    if details == "via_upstream" and not flags.ListFields():
+        return COMPLETED
+    return None
+
+
+@dataclass
+class _Slot:
+    ending: str | None = None
+    told: bool = False
+    shared: bool = False  # two live requests with this id: no verdict is trusted
+    waiter: Conclude | None = None
+    timer: Timer | None = None
+
+
+def _call_later(delay: float, fn: Callable[[], None]) -> Timer:
+    return asyncio.get_running_loop().call_later(delay, fn)
+
+
+class Endings:
+    """Verdicts by request id, kept only for requests with a ticket open (bounded by the
+    requests in flight). `streams` counts the access-log streams Envoy holds open here."""
+
+    def __init__(self, wait_s: float = WAIT_S, later: Later = _call_later) -> None:
+        self.wait_s = wait_s
+        self.later = later
+        self.streams = 0
+        self._slots: dict[str, _Slot] = {}
+
+    def expect(self, rid: str) -> bool:
+        """Listen for this request's ending; False when the id is empty or already live."""
+        if not rid:
+            return False
+        slot = self._slots.get(rid)
+        if slot is not None:
+            slot.shared = True
+            return False
+        self._slots[rid] = _Slot()
+        return True
+
+    def forget(self, rid: str) -> None:
+        slot = self._slots.pop(rid, None)
+        if slot is not None and slot.timer is not None:
+            slot.timer.cancel()
+
+    def tell(self, rid: str, ending: str | None) -> None:
+        slot = self._slots.get(rid)
+        if slot is None or slot.shared:
+            return
+        slot.ending, slot.told = ending, True
+        if slot.waiter is not None:
+            self._conclude(rid, ending)
+
+    def when_known(self, rid: str, then: Conclude) -> None:
+        slot = self._slots.get(rid)
+        if slot is None or slot.shared or slot.told or not self.streams:
+            self.forget(rid)
+            then(None if slot is None or slot.shared else slot.ending)
+            return
+        slot.waiter = then
+        slot.timer = self.later(self.wait_s, lambda: self._conclude(rid, None))
+
+    def close(self) -> None:
+        """Conclude every request still waiting (the server stops)."""
+        for rid in [r for r, s in self._slots.items() if s.waiter is not None]:
+            self._conclude(rid, None)
+        self._slots.clear()
+
+    def _conclude(self, rid: str, ending: str | None) -> None:
+        slot = self._slots.pop(rid, None)
+        if slot is None or slot.waiter is None:
+            return
+        if slot.timer is not None:
+            slot.timer.cancel()
+        slot.waiter(ending)
+
+
+def log_entries(message: Any) -> list[tuple[str, str | None]]:
+    """(request id, ending) of each HTTP entry in one StreamAccessLogsMessage."""
+    return [(e.request.request_id, ending_of(e)) for e in message.http_logs.log_entry]
