@@ -18,10 +18,20 @@ import httpx
 
 from indexer.clock import Clock, MonotonicClock
 from router.access import AccessLog
-from router.asgi import ClientGone, Message, Receive, Scope, Send, send_error
+from router.asgi import (
+    DRAIN_EXPIRED,
+    ClientGone,
+    Message,
+    Receive,
+    ResponseState,
+    Scope,
+    Send,
+    end_with_error,
+    send_error,
+)
 from router.control import Control, is_control
 from router.core.config import Config
-from router.core.errors import KvrouteError, NotFound
+from router.core.errors import KvrouteError, NotFound, ShuttingDown
 from router.core.fleet import FleetState
 from router.forward import Forwarder
 from router.metrics import RouterMetrics
@@ -141,11 +151,13 @@ class RouterApp:
             return
         if scope["type"] != "http":
             return
+        server_scope = scope  # the server marks this one (DRAIN_EXPIRED)
         if scope["method"] == "HEAD":  # answered like GET, without the body
             scope = {**scope, "method": "GET"}
             send = _without_body(send)
         if self.routing.draining:  # no idle keep-alive connection may outlive the drain
             send = _closing(send)
+        send = response = ResponseState(send)
         try:
             if is_control(scope["path"]):
                 await self.control.handle(scope, receive, send)
@@ -153,6 +165,14 @@ class RouterApp:
                 await self.proxy.handle(scope, receive, send)
         except ClientGone:
             return
+        except asyncio.CancelledError:
+            if not server_scope.get(DRAIN_EXPIRED):
+                raise
+            # the server cancelled it at the drain timeout and waits a moment for this answer
+            me = asyncio.current_task()
+            if me is not None:
+                me.uncancel()
+            await self._cut(scope, response)
         except KvrouteError as err:
             self._refused(scope, err)
             await send_error(send, err)
@@ -161,6 +181,16 @@ class RouterApp:
             internal = KvrouteError("internal error in kvroute (logged)")
             self._refused(scope, internal)
             await send_error(send, internal)
+
+    async def _cut(self, scope: Scope, response: ResponseState) -> None:
+        """End a request still running when the drain timeout expired."""
+        err = ShuttingDown(
+            "the router was shutting down and the request did not finish within its drain "
+            f"timeout ({self.config.drain_timeout_s:g} s); retry it"
+        )
+        if not response.started:
+            self._refused(scope, err)
+        await end_with_error(response, err)
 
     def _refused(self, scope: Scope, err: KvrouteError) -> None:
         """The router answered itself: counted, and the internal detail logged."""

@@ -52,6 +52,12 @@ async def _read(receive: Receive, limit: int) -> bytes:
 # instead of keeping a task per request waiting on receive() for the disconnect.
 CLIENT_GONE = "kvroute.client_gone"
 
+# Scope key kvroute's HTTP server sets (to True) on a request still running when the drain
+# timeout expires, just before it cancels the request's task (router.server): the app then
+# ends the response itself, in OpenAI's shape, rather than leave uvicorn's plain-text 500 or
+# a reset connection to a client that could have retried elsewhere.
+DRAIN_EXPIRED = "kvroute.drain_expired"
+
 
 def check_length(scope: Scope, limit: int) -> None:
     """413 from the declared Content-Length, before a byte of the body is read."""
@@ -94,6 +100,47 @@ async def send_bytes(send: Send, status: int, body: bytes, content_type: bytes) 
         }
     )
     await send({"type": "http.response.body", "body": body})
+
+
+class ResponseState:
+    """A `send` that remembers how far the response got: whether its head went out, whether
+    it is an SSE stream, whether its body ended."""
+
+    __slots__ = ("_send", "ended", "sse", "started")
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = self.sse = self.ended = False
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+            self.sse = any(
+                k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                for k, v in message.get("headers", ())
+            )
+        elif not message.get("more_body", False):
+            self.ended = True
+        await self._send(message)
+
+
+def sse_error(err: KvrouteError) -> bytes:
+    """The last events of a stream the router cut short: the error, then [DONE]."""
+    return b"data: " + _json.encode(err.body()) + b"\n\ndata: [DONE]\n\n"
+
+
+async def end_with_error(response: ResponseState, err: KvrouteError) -> None:
+    """End a response the router cuts short: the error in OpenAI's shape when no head went
+    out yet; an SSE stream gets it as its last event then [DONE] (as the forwarder ends a
+    stream whose worker failed), and any other body that started just ends."""
+    if response.ended:
+        return
+    if not response.started:
+        await send_error(response, err)
+        return
+    if response.sse:
+        await response({"type": "http.response.body", "body": sse_error(err), "more_body": True})
+    await response({"type": "http.response.body", "body": b""})
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:

@@ -8,7 +8,10 @@
   answers /ready 503 (the Service stops sending it traffic) and closes every connection after
   its response (`Connection: close`), so no idle keep-alive connection is left for a client
   to race a request into. Then the listener closes, in-flight requests and streams get up to
-  `drain_timeout_s` to finish, and the process exits 0. A second signal stops at once,
+  `drain_timeout_s` to finish, and the process exits 0. A request still running then is
+  cancelled, marked `DRAIN_EXPIRED` so the app ends it with a 503 in OpenAI's shape (a
+  stream: with an error event and [DONE]); uvicorn's own timeout, `CUT_GRACE_S` later, is
+  only the backstop. A second signal stops at once,
   except a second SIGTERM in a `--processes` child: the supervisor forwards the SIGTERM it
   gets, and a signal sent to the whole process group (systemd's control-group kill, `kill
   -TERM -PGID`) reaches the child too, so two arrive for one stop.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 import socket
 from collections.abc import Callable
@@ -27,9 +31,15 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from router.asgi import CLIENT_GONE
+from router.asgi import CLIENT_GONE, DRAIN_EXPIRED
 
 log = logging.getLogger("kvroute.serve")
+
+CUT_GRACE_S = 1.0  # after the drain timeout: the requests cut then send their answers
+
+
+class RouterConfig(uvicorn.Config):
+    drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish
 
 
 def protocol_with_header_timeout(timeout_s: float) -> type[asyncio.Protocol]:
@@ -103,7 +113,7 @@ def server_config(
     tls_key: str | None = None,
     loop: str = "uvloop",
 ) -> uvicorn.Config:
-    return uvicorn.Config(
+    config = RouterConfig(
         app,
         host=host,
         port=port,
@@ -115,10 +125,12 @@ def server_config(
         server_header=False,
         date_header=False,
         proxy_headers=False,  # X-Forwarded-* are ours to append, never trusted from clients
-        timeout_graceful_shutdown=max(1, round(drain_timeout_s)),
+        timeout_graceful_shutdown=math.ceil(drain_timeout_s + CUT_GRACE_S),
         ssl_certfile=tls_cert,
         ssl_keyfile=tls_key,
     )
+    config.drain_timeout_s = drain_timeout_s
+    return config
 
 
 class DrainingServer(uvicorn.Server):
@@ -134,6 +146,10 @@ class DrainingServer(uvicorn.Server):
         self.delay_s = delay_s
         self.child = child  # a `--processes` child: its supervisor ends a drain that hangs
         self.draining = False
+        grace = config.timeout_graceful_shutdown
+        self.drain_timeout_s: float = getattr(
+            config, "drain_timeout_s", grace if grace is not None else 30.0
+        )
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig == signal.SIGTERM and self.draining and self.child:
@@ -158,6 +174,35 @@ class DrainingServer(uvicorn.Server):
                 conn.transport.close()
         log.warning("draining: listener closed, waiting for in-flight requests")
         self.should_exit = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        cut = asyncio.get_running_loop().call_later(self.drain_timeout_s, self._cut_in_flight)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            cut.cancel()
+
+    def _cut_in_flight(self) -> None:
+        """The drain timeout expired: each request still running is marked and cancelled,
+        and its app answers why (uvicorn's own cancel would answer a plain-text 500, or
+        reset a stream); connections with nothing in flight close."""
+        cut = 0
+        for conn in list(self.server_state.connections):
+            cycle = getattr(conn, "cycle", None)
+            if cycle is None or cycle.response_complete:
+                conn.transport.close()
+                continue
+            cycle.scope[DRAIN_EXPIRED] = True
+            cut += 1
+        for task in list(self.server_state.tasks):
+            task.cancel()
+        if cut:
+            log.warning(
+                "drain timeout (%g s): %d requests still running were ended (503, or an "
+                "error event on a stream)",
+                self.drain_timeout_s,
+                cut,
+            )
 
 
 def serve(

@@ -91,6 +91,14 @@ class Overloaded(KvrouteError):
         return [("retry-after", str(self.retry_after_s))]
 
 
+class ShuttingDown(KvrouteError):
+    """The router stopped (SIGTERM) before the request finished: the client may retry it, on
+    another replica."""
+
+    status = 503
+    type = "service_unavailable"
+
+
 class UpstreamError(KvrouteError):
     status = 502
     type = "upstream_error"
