@@ -74,9 +74,21 @@ def parse_seq(frame: bytes) -> int:
     return int.from_bytes(frame, "big", signed=frame == END_SEQ)
 
 
+def parse_replay_reply(reply: list[bytes]) -> tuple[int, bytes] | None:
+    """(seq, payload) of one replay reply as the DEALER gets it, in either shape vLLM sent:
+    `[b"", topic, seq, payload]` (0.32 on, like a live message) or `[b"", seq, payload]`
+    (before vllm-project/vllm#45177 put the topic in); the end marker's seq is -1. None:
+    neither shape. A bad sequence frame raises ValueError."""
+    if len(reply) == 4:
+        return parse_seq(reply[2]), reply[3]
+    if len(reply) == 3:
+        return parse_seq(reply[1]), reply[2]
+    return None
+
+
 class ReplayClient:
-    """DEALER side of vLLM's replay protocol: [b"", start] -> [b"", topic, seq, payload]...,
-    then an end marker whose seq is -1."""
+    """DEALER side of vLLM's replay protocol: [b"", start] -> one reply per buffered batch
+    from `start` (`parse_replay_reply`), then an end marker whose seq is -1."""
 
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, timeout_s: float = 2.0) -> None:
         self._ctx = ctx
@@ -104,15 +116,15 @@ class ReplayClient:
                 except TimeoutError:
                     self.close()  # late replies must not leak into the next request
                     return None
-                if len(reply) != 4:
+                parsed = parse_replay_reply(reply)
+                if parsed is None:
                     log.warning(
                         "replay %s: reply with %d frames ignored", self.endpoint, len(reply)
                     )
                     continue
-                seq = parse_seq(reply[2])
-                if seq == -1:
+                if parsed[0] == -1:
                     return frames
-                frames.append((seq, reply[3]))
+                frames.append(parsed)
         except BaseException:
             # a bad frame or a cancellation leaves the rest of this reply queued on the
             # socket, and every later fetch would read the reply before its own

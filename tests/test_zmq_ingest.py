@@ -52,6 +52,20 @@ class RawPublisher(LossyPublisher):
         await self._pub.send_multipart(list(frames))
 
 
+class TopiclessReplayPublisher(RawPublisher):
+    """Answers replays as vLLM did before vllm-project/vllm#45177 put the topic in (its
+    `_service_replay` sent `(client_id, b"", seq, buf)`, then `(client_id, b"", END_SEQ,
+    b"")`): the DEALER gets 3 frames, not 0.32's 4."""
+
+    async def _serve_replay(self) -> None:
+        assert self._replay is not None
+        while True:
+            client, _, start = await self._replay.recv_multipart()
+            for seq, payload in self.buffered(int.from_bytes(start, "big")):
+                await self._replay.send_multipart((client, b"", seq_bytes(seq), payload))
+            await self._replay.send_multipart((client, b"", END_SEQ, b""))
+
+
 class Engine:
     """The publisher side's truth: chains of blocks it holds."""
 
@@ -128,15 +142,27 @@ async def subscribed(
 
 
 async def started(
-    drop: set[int], endpoint: str = "tcp://127.0.0.1:0", replay: str | None = "tcp://127.0.0.1:0"
+    drop: set[int],
+    endpoint: str = "tcp://127.0.0.1:0",
+    replay: str | None = "tcp://127.0.0.1:0",
+    kind: type[RawPublisher] = RawPublisher,
 ) -> RawPublisher:
-    pub = RawPublisher(PublisherConfig(endpoint=endpoint, replay_endpoint=replay), drop)
+    pub = kind(PublisherConfig(endpoint=endpoint, replay_endpoint=replay), drop)
     await pub.start()
     return pub
 
 
-async def test_lost_batches_and_late_join_recover_through_replay() -> None:
-    pub = await started(drop={4, 5})
+REPLAY_SHAPES = [
+    pytest.param(RawPublisher, id="4-frame-replies-vllm-0.32"),
+    pytest.param(TopiclessReplayPublisher, id="3-frame-replies-older-vllm"),
+]
+
+
+@pytest.mark.parametrize("kind", REPLAY_SHAPES)
+async def test_lost_batches_and_late_join_recover_through_replay(
+    kind: type[RawPublisher],
+) -> None:
+    pub = await started(drop={4, 5}, kind=kind)
     engine = Engine(pub)
     try:
         for chain in (1, 2):  # published before anyone listens: the slow joiner's loss
@@ -278,6 +304,45 @@ async def test_a_bad_frame_in_a_replay_reply_does_not_shift_the_next_replies() -
         await asyncio.sleep(0.1)  # the broken reply's tail has arrived by now
         assert await client.fetch(50) == [(50, b"a")]
         assert await client.fetch(90) == [(90, b"a")]
+    finally:
+        server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server
+        client.close()
+        ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize(
+    ("shape", "topic"),
+    [
+        pytest.param(4, b"kv-events", id="4-frame-vllm-0.32"),
+        pytest.param(4, b"", id="4-frame-empty-topic"),
+        pytest.param(3, None, id="3-frame-older-vllm"),
+    ],
+)
+async def test_replay_client_reads_both_reply_shapes(shape: int, topic: bytes | None) -> None:
+    """What each vLLM sent, byte for byte, over a real ROUTER socket: each batch's sequence
+    number and payload come back, and the end marker ends the reply."""
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind("tcp://127.0.0.1:*")
+    endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+    batches = [(7, b"\x93\xcb payload seven"), (8, b""), (9, b"nine")]
+    head = [] if topic is None else [topic]
+    end = [b""] if shape == 4 else []  # vLLM 0.32's end marker carries an empty topic
+
+    async def serve() -> None:
+        ident, _, start_b = await router.recv_multipart()
+        start = int.from_bytes(start_b, "big")
+        for seq, payload in batches:
+            if seq >= start:
+                await router.send_multipart([ident, b"", *head, seq_bytes(seq), payload])
+        await router.send_multipart([ident, b"", *end, END_SEQ, b""])
+
+    server = asyncio.create_task(serve())
+    client = ReplayClient(ctx, endpoint, timeout_s=2.0)
+    try:
+        assert await client.fetch(8) == batches[1:]
     finally:
         server.cancel()
         with contextlib.suppress(asyncio.CancelledError):
