@@ -36,6 +36,10 @@ changes but memory. Without this, traffic sharing a long prefix kept every reque
 of the prefix: with distinct ~30-token tails on a 2k-token prefix at ~2,700 requests a
 second, approximate mode (120 s) grew ~180 MB every 10 s while the entries stayed under the
 cap. Now what the records hold is about the entries, which the caps bound.
+
+A request picked for one worker but served by another (a gateway's fallback) is taken back
+from the first (`withdraw`): the blocks its record added go, unless a later request (or one
+of the burst that re-used the record) is believed to hold them there.
 """
 
 from __future__ import annotations
@@ -57,7 +61,10 @@ REFRESH_SLACK = 0.01  # a chain re-recorded within 1% of the TTL keeps its expir
 DEFAULT_WORKER_CAP = 1 << 16  # blocks, until the worker's KV capacity is known
 
 
-# [until, tuple of the block hashes it owns]: mutable, cut down as it loses them
+# [until, tuple of the block hashes it owns, how many of the chain's last blocks it added
+# (the worker held none of them before), requests of a burst that re-used all of it, how
+# many of its last blocks no such request re-used]: mutable, cut down (from the front) as
+# it loses blocks. The last three serve `withdraw` only.
 _Record = list[Any]
 
 
@@ -108,6 +115,29 @@ def _index_by_until(w: _Worker, until: float, recs: list[_Record]) -> None:
         w.by_until[until] = recs
     else:
         w.by_until.pop(until, None)
+
+
+def _record_of(w: _Worker, chain: Sequence[int]) -> _Record | None:
+    """The record made for this chain, while it still owns the chain's last block."""
+    until = w.expiry.get(chain[-1])
+    for rec in w.by_until.get(until, ()) if until is not None else ():
+        if rec[1] and rec[1][-1] == chain[-1]:
+            return rec
+    return None
+
+
+def _claim(w: _Worker, chain: Sequence[int]) -> None:
+    """A request of a burst re-uses the record holding its chain (see `record`): taking
+    that record's own request back (`withdraw`) must leave it what it holds."""
+    last = chain[-1]
+    for rec in w.by_until.get(w.expiry.get(last, -1.0), ()):
+        owned = rec[1]
+        if owned and owned[-1] == last:
+            rec[3] += 1
+            return
+        if last in owned:  # a prefix of its chain: its blocks past this one stay unclaimed
+            rec[4] = min(rec[4], len(owned) - 1 - owned.index(last))
+            return
 
 
 def _give_up(same_tick: list[_Record], chain: tuple[int, ...]) -> list[_Record]:
@@ -165,7 +195,9 @@ class TtlIndex:
         until = self._clock.now() + self.ttl_s
         w = self._worker(worker)
         if w.expiry.get(router_hashes[-1], 0.0) >= until - self.ttl_s * REFRESH_SLACK:
-            return  # refreshed a moment ago (and so its prefix): a burst costs one record
+            # refreshed a moment ago (and so its prefix): a burst costs one record
+            _claim(w, router_hashes)
+            return
         # The whole chain is refreshed, prefix and all, into the newest record: at the cap
         # the oldest records go first, so a prefix in use must not stay in an old one
         # (measured: tails joining their prefix's older record let the cap drop a long
@@ -175,8 +207,9 @@ class TtlIndex:
         before = len(w.expiry)
         losers = _expiries_along(w.expiry.get, chain)  # of the records losing blocks
         w.expiry.update(zip(chain, repeat(until)))
-        self._entries += len(w.expiry) - before
-        record: _Record = [until, chain]
+        added = len(w.expiry) - before  # the chain's last blocks (held ones lead a chain)
+        self._entries += added
+        record: _Record = [until, chain, added, 0, len(chain)]
         w.records.append(record)
         same_tick = w.by_until.get(until)
         if same_tick is None:
@@ -241,7 +274,7 @@ class TtlIndex:
     def _drop(self, w: _Worker) -> int:
         """Forget the worker's oldest record: its blocks no later record refreshed."""
         record = w.records.popleft()
-        until, hashes = record
+        until, hashes = record[0], record[1]
         recs = w.by_until.get(until)
         if recs is not None:  # others may share its expiry (made in the same clock tick)
             _index_by_until(w, until, [rec for rec in recs if rec is not record])
@@ -273,6 +306,34 @@ class TtlIndex:
                     hi = mid
             out[worker] = Overlap(lo, {DEFAULT_TIER: lo})
         return out
+
+    def withdraw(self, worker: str, router_hashes: Sequence[RouterBlockHash]) -> int:
+        """Take back the `record` of this chain on `worker`: the request was served elsewhere
+        (a gateway's fallback). The blocks it added, unless a later record refreshed them,
+        are forgotten; those it only refreshed were believed held before it and stay. A
+        record a burst re-used stays until each of its requests was taken back, and what a
+        burst request on a prefix of it re-used stays. Returns the entries forgotten."""
+        w = self._workers.get(worker) if router_hashes else None
+        if w is None:
+            return 0
+        self.expire()
+        rec = _record_of(w, router_hashes)
+        if rec is None:
+            return 0
+        if rec[3]:
+            rec[3] -= 1
+            return 0
+        owned: tuple[int, ...] = rec[1]
+        gone: int = min(rec[2], rec[4], len(owned))
+        keep = len(owned) - gone
+        pop = w.expiry.pop
+        for rh in owned[keep:]:
+            pop(rh)
+        self._entries -= gone
+        rec[1], rec[2] = owned[:keep], 0
+        if not keep:  # stays queued (tiny) until its turn, like a record cut empty
+            _index_by_until(w, rec[0], [r for r in w.by_until[rec[0]] if r[1]])
+        return gone
 
     def forget_worker(self, worker: str) -> None:
         w = self._workers.pop(worker, None)

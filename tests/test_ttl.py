@@ -221,3 +221,101 @@ def test_a_chain_over_several_records_takes_its_blocks_from_each(
     ttl.record("a", long)  # two runs held (two records), then two blocks new
     assert len(ttl) == 6 and ttl.held_hashes() == 6
     assert ttl.find_matches(long) == {"a": Overlap(6, {"GPU": 6})}
+
+
+# ---- taking a record back (the request was served elsewhere) -----------------------------
+
+LONG = hash_request(list(range(48)), 8, Namespace())  # six blocks: H's four, then two more
+
+
+def _prefix(n: int) -> Any:
+    return ("record", LONG[:n])
+
+
+@pytest.mark.parametrize(
+    ("steps", "left"),
+    [
+        pytest.param([], 0, id="alone: all of it goes"),
+        pytest.param([("before", 4)], 4, id="a prefix held before stays"),
+        pytest.param([("after", 6)], 6, id="a later request extending it keeps it all"),
+        pytest.param([("after", 2)], 2, id="a later request on its prefix keeps that"),
+        pytest.param([("burst", 6)], 6, id="a burst re-using the record keeps it"),
+        pytest.param([("burst", 6), ("withdraw", 6)], 0, id="until the burst went too"),
+        pytest.param([("burst", 3)], 3, id="a shorter burst prompt keeps its own"),
+        pytest.param([("other", 6)], 0, id="another worker's record is not this one's"),
+    ],
+)
+def test_withdraw_forgets_only_what_the_request_added(
+    steps: list[tuple[str, int]], left: int
+) -> None:
+    clock = FakeClock()
+    ttl = TtlIndex(clock, ttl_s=100)
+    for kind, n in steps:
+        if kind == "before":
+            ttl.record("a", LONG[:n])
+            clock.advance(10)
+    ttl.record("a", LONG)  # the request picked for "a", then served elsewhere
+    for kind, n in steps:
+        if kind in ("after", "burst", "other"):
+            clock.advance(10 if kind == "after" else 0.1)  # a burst: within 1% of the TTL
+            ttl.record("b" if kind == "other" else "a", LONG[:n])
+    ttl.withdraw("a", LONG)
+    for kind, n in steps:
+        if kind == "withdraw":
+            ttl.withdraw("a", LONG[:n])
+    held = ttl.find_matches(LONG).get("a")
+    assert (held.blocks if held else 0) == left == ttl.entries_of("a")
+    assert ttl.held_hashes() == len(ttl)
+    clock.advance(200)
+    assert ttl.expire() >= 0 and len(ttl) == 0 and ttl.held_hashes() == 0
+    assert ttl.withdraw("a", LONG) == 0  # nothing left to take back
+
+
+WITHDRAW_STEPS = st.lists(
+    st.one_of(
+        st.tuples(
+            st.sampled_from(["record", "withdraw"]),
+            st.sampled_from("ab"),
+            st.integers(0, 2),
+            st.integers(1, 4),
+        ),
+        st.tuples(st.just("advance"), st.sampled_from([0.01, 0.5, 2.0, 4.9, 5.0, 7.0])),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(WITHDRAW_STEPS, st.integers(2, 12))
+def test_withdraw_keeps_the_index_whole(steps: list[tuple[Any, ...]], cap: int) -> None:
+    """Records and withdrawals in any order: a chain's live blocks stay a leading run (what
+    find_matches bisects), a withdrawal only ever forgets, every entry keeps a record that
+    expires it, and the counts agree."""
+    clock = FakeClock()
+    ttl = TtlIndex(clock, ttl_s=5)
+    ttl.set_worker_cap("b", cap)
+    for step in steps:
+        if step[0] == "advance":
+            clock.advance(step[1])
+            continue
+        kind, worker, chain, n = step
+        if kind == "record":
+            ttl.record(worker, CHAINS[chain][:n])
+            continue
+        before = {c: ttl.find_matches(ch) for c, ch in enumerate(CHAINS)}
+        gone = ttl.withdraw(worker, CHAINS[chain][:n])
+        for c, ch in enumerate(CHAINS):
+            now, was = ttl.find_matches(ch), before[c]
+            assert set(now) <= set(was)
+            assert all(now[w].blocks <= was[w].blocks for w in now)
+        assert gone >= 0
+    for worker in "ab":
+        expiry = ttl._workers[worker].expiry if worker in ttl._workers else {}
+        for ch in CHAINS:
+            held = [h in expiry for h in ch]
+            assert held == sorted(held, reverse=True)  # a leading run
+    assert len(ttl) == ttl.entries_of("a") + ttl.entries_of("b")
+    assert ttl.held_hashes() >= len(ttl)
+    clock.advance(6)
+    ttl.expire()
+    assert len(ttl) == 0 and ttl.held_hashes() == 0
