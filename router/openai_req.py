@@ -6,7 +6,6 @@ routed by the body's `model` (embeddings by their input as well): `parse_passthr
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +30,10 @@ class RoutingInput:
     model: str
     prompt_text: str | None = None
     prompt_ids: list[int] | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: list[dict[str, Any]] | None = None  # as sent: the tokenizer converts them
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # the template's kwargs as vLLM merges them (`_template_kwargs`), tools apart
     template_extra: dict[str, Any] | None = None
     tools: list[Any] | None = None  # as vLLM hands them to the template (`vllm_tools`)
     # vLLM's defaults: the tokenizer's specials (BOS) for completions; none for chat,
@@ -221,6 +222,36 @@ def _check_ids(ids: list[int]) -> None:
 
 
 def _chat(doc: dict[str, Any], common: dict[str, Any]) -> RoutingInput:
+    messages = _messages(doc)
+    generation = _flag(doc, "add_generation_prompt", True)
+    continues = _flag(doc, "continue_final_message", False)
+    # vLLM's request model refuses both set true; transformers refuses the default true
+    if generation and continues:
+        raise BadRequest(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            param="continue_final_message",
+        )
+    extra = doc.get("chat_template_kwargs")
+    if extra is not None and not isinstance(extra, dict):
+        raise BadRequest("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    tools = doc.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise BadRequest("'tools' must be a list", param="tools")
+    kwargs = _template_kwargs(doc, extra or {})
+    if kwargs.get("tools") is not None:  # the request's chat_template_kwargs win
+        tools = None
+    return RoutingInput(
+        "chat",
+        messages=messages,
+        add_generation_prompt=generation,
+        continue_final_message=continues,
+        template_extra=kwargs or None,
+        tools=None if tools is None else [vllm_tool(t) for t in tools],
+        **common,
+    )
+
+
+def _messages(doc: dict[str, Any]) -> list[dict[str, Any]]:
     messages = doc.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list", param="messages")
@@ -233,53 +264,29 @@ def _chat(doc: dict[str, Any], common: dict[str, Any]) -> RoutingInput:
                 f"messages[{i}].content must be a string or a list of content parts",
                 param="messages",
             )
-    # vLLM renders a missing or null content as an empty one (an assistant turn with tool
-    # calls); the copy tokenized here does the same, the body forwarded stays untouched
-    messages = [vllm_message(m) for m in messages]
-    extra = doc.get("chat_template_kwargs")
-    if extra is not None and not isinstance(extra, dict):
-        raise BadRequest("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
-    tools = doc.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise BadRequest("'tools' must be a list", param="tools")
-    return RoutingInput(
-        "chat",
-        messages=messages,
-        add_generation_prompt=bool(doc.get("add_generation_prompt", True)),
-        template_extra=extra,
-        tools=None if tools is None else [vllm_tool(t) for t in tools],
-        **common,
-    )
+    return messages
 
 
-def vllm_message(m: dict[str, Any]) -> dict[str, Any]:
-    """A chat message as vLLM gives it to the template, for the copy tokenized here (the
-    body forwarded stays untouched): a null content is empty (an assistant turn with tool
-    calls); a null or empty `tool_calls` is dropped; each call's JSON `arguments` string is
-    parsed into an object. Rendered otherwise, tool traffic stopped matching the engine's
-    cache at the first tool call."""
-    out = m if m.get("content") is not None else {**m, "content": ""}
-    if "tool_calls" not in out:
-        return out
-    calls = out["tool_calls"]
-    if not calls:
-        return {k: v for k, v in out.items() if k != "tool_calls"}
-    if not isinstance(calls, list):
-        return out
-    return {**out, "tool_calls": [_parsed_call(c) for c in calls]}
+def _template_kwargs(doc: dict[str, Any], asked: dict[str, Any]) -> dict[str, Any]:
+    """The template's kwargs as vLLM's chat request builds them: `chat_template_kwargs`
+    without its null and "auto" values, under the request's own `documents` and
+    `reasoning_effort` (which also sets `enable_thinking`, unless asked). The two prompt
+    flags are the request's own, passed apart."""
+    out = {k: v for k, v in asked.items() if not _unset(v)}
+    for key in ("add_generation_prompt", "continue_final_message"):
+        out.pop(key, None)
+    if doc.get("documents") is not None:
+        out["documents"] = doc["documents"]
+    effort = doc.get("reasoning_effort")
+    if not _unset(effort):
+        out["reasoning_effort"] = effort
+    if effort is not None and "enable_thinking" not in asked:
+        out["enable_thinking"] = effort != "none"
+    return out
 
 
-def _parsed_call(call: Any) -> Any:
-    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-        return call
-    arguments = call["function"].get("arguments")
-    if isinstance(arguments, dict):
-        return call
-    try:
-        parsed = json.loads(arguments) if arguments else {}
-    except (TypeError, ValueError):
-        return call  # vLLM refuses it; the engine's 400 says so
-    return {**call, "function": {**call["function"], "arguments": parsed}}
+def _unset(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and value == "auto")
 
 
 def vllm_tool(tool: Any) -> Any:

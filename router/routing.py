@@ -237,6 +237,7 @@ class DecisionService:
                     if rin.tools is None
                     else {**(rin.template_extra or {}), "tools": rin.tools},
                     add_special_tokens=rin.add_special_tokens,
+                    continue_final_message=rin.continue_final_message,
                 )
             return await tok.acompletion(
                 rin.prompt_text or "", add_special_tokens=rin.add_special_tokens
@@ -253,6 +254,8 @@ class DecisionService:
                 "add_generation_prompt": rin.add_generation_prompt,
                 "add_special_tokens": rin.add_special_tokens,
             }
+            if rin.continue_final_message:
+                body["continue_final_message"] = True
             if rin.tools is not None:  # the worker's own /tokenize normalises them as here
                 body["tools"] = rin.tools
             if rin.template_extra:

@@ -38,7 +38,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from router.core.errors import ConfigError
-from router.tokenize_chat import chat_template, flatten_content, render, token_text
+from router.tokenize_chat import chat_templates, pick, render, token_text
 from router.tokenize_split import Splittable, pieces, splittable
 from router.tokenize_store import (
     Anchors,
@@ -51,7 +51,7 @@ from router.tokenize_store import (
 from router.tokenize_threads import WAYS, in_threads
 from router.tokenize_words import WordIds
 
-__all__ = ["PACKAGED_TOKENIZER", "LocalTokenizer", "TokenCache", "Tokens", "flatten_content"]
+__all__ = ["PACKAGED_TOKENIZER", "LocalTokenizer", "TokenCache", "Tokens"]
 
 log = logging.getLogger("kvroute.tokenize")
 
@@ -117,7 +117,7 @@ class LocalTokenizer:
             "bos_token": token_text(cfg.get("bos_token")),
             "eos_token": token_text(cfg.get("eos_token")),
         }
-        self._template = chat_template(cfg)
+        self._templates = chat_templates(folder, cfg)
         self.cache = TokenCache(cache_items)
         self.pieces = PieceStore()
         self.prefixes = PrefixMemos()
@@ -176,8 +176,18 @@ class LocalTokenizer:
         *,
         add_generation_prompt: bool = True,
         extra: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
-        return render(self._template, self._specials, messages, add_generation_prompt, extra)
+        """The chat's text as vLLM renders it; with media, the text before the first."""
+        template = pick(self._templates, (extra or {}).get("tools"))
+        return render(
+            template,
+            self._specials,
+            messages,
+            add_generation_prompt,
+            extra,
+            continue_final_message=continue_final_message,
+        )
 
     def chat(
         self,
@@ -186,12 +196,17 @@ class LocalTokenizer:
         add_generation_prompt: bool = True,
         extra: Mapping[str, Any] | None = None,
         add_special_tokens: bool = False,
+        continue_final_message: bool = False,
     ) -> list[int]:
-        key = _chat_key(messages, add_generation_prompt, extra, add_special_tokens)
+        how = (add_generation_prompt, extra, add_special_tokens, continue_final_message)
+        key = _chat_key(messages, *how)
         hit = self.cache.get(key)
         if hit is None:
             text = self.render_chat(
-                messages, add_generation_prompt=add_generation_prompt, extra=extra
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                extra=extra,
+                continue_final_message=continue_final_message,
             )
             hit = self._tokens(key, text, specials=add_special_tokens)
         return hit.tolist()
@@ -203,12 +218,19 @@ class LocalTokenizer:
         add_generation_prompt: bool = True,
         extra: Mapping[str, Any] | None = None,
         add_special_tokens: bool = False,
+        continue_final_message: bool = False,
     ) -> Sequence[int]:
-        key = _chat_key(messages, add_generation_prompt, extra, add_special_tokens)
+        how = (add_generation_prompt, extra, add_special_tokens, continue_final_message)
+        key = _chat_key(messages, *how)
         hit = self.cache.get(key)
         if hit is not None:
             return hit
-        text = self.render_chat(messages, add_generation_prompt=add_generation_prompt, extra=extra)
+        text = self.render_chat(
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            extra=extra,
+            continue_final_message=continue_final_message,
+        )
         return await self._atokens(key, text, specials=add_special_tokens)
 
     # ---- the one path: cache, known pieces, encode the rest ---------------------------
@@ -331,6 +353,7 @@ def _chat_key(
     add_generation_prompt: bool,
     extra: Mapping[str, Any] | None,
     add_special_tokens: bool,
+    continue_final_message: bool,
 ) -> tuple[str, str]:
-    key = [messages, add_generation_prompt, extra, add_special_tokens]
+    key = [messages, add_generation_prompt, extra, add_special_tokens, continue_final_message]
     return "m", json.dumps(key, sort_keys=True, default=str)

@@ -1,7 +1,9 @@
 """The conformance checks, and the order they run in: chosen so that engines are shared
 (the 32-byte engine first, then stopped; everything on `main`; the restart last but one;
 routing quality on the two workers before the fleet check restarts one without events;
-the two-worker fleet, then the prefill->decode pair, which starts its own engines)."""
+the two-worker fleet, then the prefill->decode pair, which starts its own engines).
+`tokenizer-chat` (real vLLM only, its own engine) is not in RUN_ORDER, the simulator's list:
+it runs last."""
 
 from conformance import faults
 from conformance.checks import (
@@ -13,6 +15,7 @@ from conformance.checks import (
     replay,
     routing_quality,
     tokenizer,
+    tokenizer_chat,
     wire_format,
 )
 from conformance.registry import REGISTRY, Check
@@ -38,7 +41,7 @@ def registry() -> dict[str, Check]:
 
 
 __all__ = ["RUN_ORDER", "chaining", "faults", "fidelity", "fleet", "registry", "replay"]
-__all__ += ["metrics", "tokenizer"]
+__all__ += ["metrics", "tokenizer", "tokenizer_chat"]
 __all__ += ["wire_format"]
 __all__ += ["pd"]
 __all__ += ["routing_quality"]

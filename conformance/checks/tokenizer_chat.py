@@ -1,0 +1,292 @@
+"""Check 4b: chat rendering parity on the request shapes vLLM converts before its template.
+Each chat goes through kvroute's request parser and local tokenizer and through the
+engine's /tokenize, and the tokens must be equal: content parts of every text type, tool
+definitions and tool calls (JSON arguments, malformed ones, empty lists), documents,
+`continue_final_message` (string and list content, trailing spaces), developer messages
+folded into the system message, the "openai" content format (a template that loops over a
+message's parts, extra part fields included), and media: kvroute's tokens for a chat with
+an image are the head of the engine's for the same chat with the image as text.
+
+vLLM only (the simulator renders string content only). The engine is the check's own,
+started with `--trust-request-chat-template` so that a request may carry the template;
+kvroute reads the same template from a copy of the model's tokenizer folder."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from conformance.checks.tokenizer import _first_difference
+from conformance.client import _json, client
+from conformance.registry import Findings, check
+from conformance.session import Context
+from conformance.targets import TOKENIZE
+from conformance.vllm_server import VllmServer
+from router.openai_req import RoutingInput, parse
+from router.tokenize import LocalTokenizer
+
+# templates by name; None: the model's own (string content)
+TOOLS = (
+    "{{ bos_token }}{% if tools is not none %}<tools>{{ tools | tojson }}</tools>\n{% endif %}"
+    "{% if documents is not none %}<docs>{{ documents | tojson }}</docs>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}"
+    "{% if m.name is defined %} {{ m.name }}{% endif %}\n"
+    "{% if m.reasoning_content is defined %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ m['content'] }}{% if m.tool_calls is defined %}{{ m.tool_calls | tojson }}{% endif %}"
+    "{% if m.tool_call_id is defined %} [{{ m.tool_call_id }}]{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+PARTS = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for p in m['content'] %}{% if p['type'] == 'text' %}{{ p['text'] }}"
+    "{% if p.cache_control is defined %}{{ p.cache_control | tojson }}{% endif %}"
+    "{% else %}<{{ p['type'] }}>{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TEMPLATES: dict[str, str | None] = {"own": None, "tools": TOOLS, "parts": PARTS}
+
+USER = {"role": "user", "content": "What is the weather in Oslo?"}
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "C"}'},
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+FIRST = {"type": "text", "text": "First part."}
+TEXT_PARTS: list[Any] = [
+    FIRST,
+    {"type": "input_text", "text": "Input text part."},
+    {"type": "output_text", "text": "Output text part."},
+    {"type": "refusal", "refusal": "A refusal."},
+    {"type": "thinking", "thinking": "A thought.", "closed": True},
+    "A bare string part.",
+]
+CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
+
+# (name, template, body fields)
+CASES: list[tuple[str, str, dict[str, Any]]] = [
+    ("text-parts", "own", {"messages": [{"role": "user", "content": TEXT_PARTS}]}),
+    (
+        "assistant-parts",
+        "own",
+        {
+            "messages": [
+                USER,
+                {"role": "assistant", "content": TEXT_PARTS[3:5]},
+                {"role": "user", "content": "Go on."},
+            ]
+        },
+    ),
+    (
+        "continue-string",
+        "own",
+        {"messages": [USER, {"role": "assistant", "content": "It is sunny, "}], **CONTINUE},
+    ),
+    (
+        "continue-parts",
+        "own",
+        {"messages": [USER, {"role": "assistant", "content": TEXT_PARTS[:2]}], **CONTINUE},
+    ),
+    (
+        "developer",
+        "own",
+        {
+            "messages": [
+                {"role": "system", "content": "Be terse."},
+                USER,
+                {"role": "developer", "content": "Answer in Celsius."},
+            ]
+        },
+    ),
+    (
+        "billing-header",
+        "own",
+        {
+            "messages": [
+                {"role": "system", "content": "x-anthropic-billing-header: cch=42\nBe terse."},
+                USER,
+            ]
+        },
+    ),
+    ("no-tools", "tools", {"messages": [USER]}),
+    (
+        "tool-calls",
+        "tools",
+        {
+            "tools": [WEATHER],
+            "messages": [
+                USER,
+                {"role": "assistant", "content": None, "tool_calls": [CALL], "reasoning": "r"},
+                {"role": "tool", "tool_call_id": "call_1", "content": [TEXT_PARTS[0]] * 2},
+                {"role": "assistant", "content": "Cold.", "tool_calls": []},
+                {"role": "user", "content": "Thanks!", "name": "bob"},
+            ],
+        },
+    ),
+    (
+        "bad-arguments",
+        "tools",
+        {
+            "tools": [{"type": "function", "function": {"name": "get_weather"}}],
+            "messages": [
+                USER,
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {**CALL, "function": {"name": "get_weather", "arguments": "{bad"}},
+                        {**CALL, "id": "call_2", "function": {"name": "f", "arguments": "[1]"}},
+                    ],
+                },
+            ],
+        },
+    ),
+    (
+        "documents",
+        "tools",
+        {
+            "messages": [USER],
+            "chat_template_kwargs": {"documents": [{"title": "t", "text": "d"}], "x": None},
+        },
+    ),
+    ("parts-string", "parts", {"messages": [USER]}),
+    (
+        "parts-extras",
+        "parts",
+        {
+            "messages": [
+                {
+                    "role": "system",
+                    "content": [{**FIRST, "cache_control": {"type": "ephemeral"}}],
+                },
+                {"role": "user", "content": TEXT_PARTS},
+                {"role": "assistant", "content": None},
+                {"role": "tool", "tool_call_id": "c", "content": TEXT_PARTS[:2]},
+            ]
+        },
+    ),
+    (
+        "parts-continue",
+        "parts",
+        {"messages": [USER, {"role": "assistant", "content": TEXT_PARTS[:2]}], **CONTINUE},
+    ),
+]
+
+IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+IMAGE_AS_TEXT = {"type": "text", "text": "an image"}
+MEDIA = [
+    ("media-string", "own"),
+    ("media-parts", "parts"),
+]
+
+
+def _media_chat(part: Mapping[str, Any]) -> list[dict[str, Any]]:
+    doc = "A long system prompt, shared by every request of this tenant. " * 20
+    look = [{"type": "text", "text": "Look at this:"}, part, "What is it?"]
+    return [{"role": "system", "content": doc}, {"role": "user", "content": look}]
+
+
+def _folder(model_dir: Path, out: Path, template: str | None) -> Path:
+    """The model's tokenizer files, with `template` as its chat template."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "special_tokens_map.json"):
+        if (model_dir / name).exists():
+            shutil.copyfile(model_dir / name, out / name)
+    config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    if template is not None:
+        config["chat_template"] = template
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+def _kvroute_tokens(local: LocalTokenizer, rin: RoutingInput) -> list[int]:
+    """Tokens as the router's decision service asks for them (`router.routing`)."""
+    assert rin.messages is not None
+    extra = rin.template_extra
+    if rin.tools is not None:
+        extra = {**(extra or {}), "tools": rin.tools}
+    return local.chat(
+        rin.messages,
+        add_generation_prompt=rin.add_generation_prompt,
+        extra=extra,
+        add_special_tokens=rin.add_special_tokens,
+        continue_final_message=rin.continue_final_message,
+    )
+
+
+def _record(f: Findings, case: str, mine: list[int], theirs: list[int], head: bool) -> None:
+    same = mine == (theirs[: len(mine)] if head else theirs)
+    f.evidence.setdefault("cases", {})[case] = {
+        "tokens": len(theirs),
+        "kvroute": len(mine),
+        "equal" if not head else "head": same,
+    }
+    if not same:
+        at = _first_difference(mine, theirs)
+        f.problems.append(
+            f"{case}: kvroute {len(mine)} tokens, engine {len(theirs)}; first difference at "
+            f"{at}: kvroute {mine[at : at + 5]} vs engine {theirs[at : at + 5]}"
+        )
+
+
+@check(
+    "tokenizer-chat",
+    "kvroute renders chat requests as vLLM does: text part types, tools and tool calls, "
+    "documents, continue_final_message, developer messages, an openai-format template, "
+    "media routed by the text before it (kvroute's tokens = engine's /tokenize)",
+    needs=(TOKENIZE,),
+    targets=("vllm",),
+)
+async def tokenizer_chat(ctx: Context, f: Findings) -> None:
+    model_dir = ctx.tokenizer_dir
+    work = ctx.folder("tokenizer-chat")
+    locals_ = {
+        name: LocalTokenizer(_folder(model_dir, work / name, t), piece_chars=24, fine_chars=6)
+        for name, t in TEMPLATES.items()
+    }
+    server = VllmServer(
+        model_dir,
+        num_gpu_blocks=32,
+        kv_events=False,
+        extra_args=("--trust-request-chat-template",),
+        log_dir=work,
+    )
+    with server:
+        async with client(server.url) as http:
+            for name, template, fields in CASES:
+                rin = parse("chat", json.dumps({"model": "m", **fields}).encode())
+                mine = _kvroute_tokens(locals_[template], rin)
+                theirs = await _engine_tokens(http, server.model, fields, template)
+                _record(f, name, mine, theirs, head=False)
+            for name, template in MEDIA:
+                rin = parse(
+                    "chat", json.dumps({"model": "m", "messages": _media_chat(IMAGE)}).encode()
+                )
+                mine = _kvroute_tokens(locals_[template], rin)
+                fields = {"messages": _media_chat(IMAGE_AS_TEXT)}
+                theirs = await _engine_tokens(http, server.model, fields, template)
+                _record(f, name, mine, theirs, head=True)
+                f.require(len(mine) >= 32, f"{name}: the text before the image fills no block")
+    f.note("compared", len(CASES) + len(MEDIA))
+
+
+async def _engine_tokens(
+    http: httpx.AsyncClient, model: str, fields: Mapping[str, Any], template: str
+) -> list[int]:
+    body = {"model": model, **fields}
+    if TEMPLATES[template] is not None:
+        body["chat_template"] = TEMPLATES[template]
+    return [int(t) for t in _json(await http.post("/tokenize", json=body))["tokens"]]
