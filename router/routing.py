@@ -35,7 +35,7 @@ from router.core.config import Config
 from router.core.decision import Constraints, Decision, RouteRequest
 from router.core.errors import BadRequest, NoWorkerAvailable, Overloaded
 from router.core.filters import serves, unknown_model
-from router.core.fleet import FleetState
+from router.core.fleet import EVENTS, FleetState
 from router.core.load import Ticket as LoadTicket
 from router.core.picker import Picker
 from router.core.profiles import Profile
@@ -310,10 +310,17 @@ class DecisionService:
 
     def reassign(self, ticket: Ticket, worker: str) -> Ticket:
         """The request was served by another endpoint than the one started (a gateway's
-        fallback): move its load and prediction there."""
+        fallback): move its load and prediction there. The endpoint started keeps only
+        what others left in its approximate or predicted entries, and its event health
+        expects no blocks for it."""
         if worker == ticket.worker or worker not in self.fleet.workers:
             return ticket
         self._release(ticket)
+        old = self.fleet.workers.get(ticket.worker)
+        if old is not None and old.caching:
+            believed = self.fleet.predictions if old.mode == EVENTS else self.fleet.approx
+            believed.withdraw(old.name, ticket.decision.hashes.get(old.block_size, ()))
+            self.picker.withdraw(ticket.load)
         return self.start(ticket.decision, worker)
 
     def release(self, ticket: Ticket) -> None:

@@ -18,6 +18,8 @@ from router.core.errors import NoWorkerAvailable
 from router.core.fleet import APPROX, EVENTS, FleetState, WorkerState
 from router.core.load import PeerLoad, Ticket
 from router.core.picker import Picker
+from router.metrics import RouterMetrics
+from router.routing import DecisionService
 
 BS = 4
 NS = Namespace()
@@ -462,6 +464,43 @@ def test_approx_mode_records_routing_decisions_for_the_ttl() -> None:
     assert c.route(prompt(4), NS).best.worker == "w0"
     c.approx._clock.advance(121)  # type: ignore[attr-defined]
     assert c.route(prompt(4), NS).score_of("w0").overlap_blocks == 0
+
+
+def service(c: Core) -> DecisionService:
+    """The decision service over the core's fleet (its doors' side: start, reassign)."""
+    no_io: Any = None  # neither the worker pool nor the tokenizers are asked here
+    profiles = {"default": c.profile}
+    return DecisionService(Config(), c.fleet, no_io, no_io, RouterMetrics(), profiles, c.clock)
+
+
+@pytest.mark.parametrize(
+    ("before", "sibling", "w0_after"),
+    [
+        pytest.param(0, False, 0, id="new-prefix"),
+        pytest.param(5, False, 5, id="w0-keeps-what-an-earlier-request-left"),
+        pytest.param(0, True, 8, id="w0-keeps-a-sibling-that-was-served-there"),
+    ],
+)
+def test_approx_mode_follows_a_reassigned_request(
+    before: int, sibling: bool, w0_after: int
+) -> None:
+    """A gateway's fallback served the request on w1, not on w0 that was picked: the
+    approximate index must say w1 holds its prompt, and w0 only what others left there."""
+    c = core(mode=APPROX)
+    svc = service(c)
+    tokens = prompt(5)
+    if before:
+        svc.start(c.route(tokens[: before * BS], NS), "w0")
+        c.clock.advance(10)
+    ticket = svc.start(c.route(tokens, NS), "w0")
+    if sibling:  # the same prompt sent to w0 a moment later, and served there
+        svc.start(c.route(tokens, NS), "w0")
+    assert c.route(tokens, NS).score_of("w0").overlap_blocks == 8
+    svc.reassign(ticket, "w1")
+    after = c.route(tokens, NS)
+    assert after.score_of("w1").overlap_blocks == 8
+    assert after.score_of("w0").overlap_blocks == w0_after
+    assert c.approx.entries_of("w0") == w0_after
 
 
 def test_load_bound_spills_a_hot_prefix() -> None:
