@@ -138,8 +138,9 @@ def _entry(details: str, **flags: bool) -> accesslog_pb2.HTTPAccessLogEntry:
             UPSTREAM_BROKE,
         ),
         (_entry("upstream_reset_after_response_started{remote_reset}"), UPSTREAM_BROKE),
-        (_entry("stream_idle_timeout", stream_idle_timeout=True), None),
-        (_entry("via_upstream", upstream_request_timeout=True), None),
+        (_entry("stream_idle_timeout", stream_idle_timeout=True), UPSTREAM_BROKE),
+        (_entry("via_upstream", upstream_request_timeout=True), UPSTREAM_BROKE),
+        (_entry("request_payload_too_large"), None),
     ],
     ids=[
         "completed",
@@ -149,6 +150,7 @@ def _entry(details: str, **flags: bool) -> accesslog_pb2.HTTPAccessLogEntry:
         "worker-reset",
         "idle",
         "ut",
+        "local-reply",
     ],
 )
 def test_what_an_access_log_entry_says(

@@ -50,10 +50,14 @@ Later = Callable[[float, Callable[[], None]], Timer]
 
 
 def ending_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> str | None:
-    """The ending an access-log entry reports; None for any other (a timeout, a local reply)."""
+    """The ending an access-log entry reports; None for any other (a local reply, say)."""
     details = entry.response.response_code_details
     flags = entry.common_properties.response_flags
     if details.startswith(_BROKE_DETAILS):
+        return UPSTREAM_BROKE
+    if flags.stream_idle_timeout or flags.upstream_request_timeout:
+        # the worker went quiet past the gateway's timeout: as the proxy counts a worker
+        # that stopped answering mid-response (a 502 on it)
         return UPSTREAM_BROKE
     if flags.downstream_connection_termination or flags.downstream_remote_reset:
         return CLIENT_GONE
