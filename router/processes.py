@@ -12,7 +12,10 @@ prompts 1,241 -> 2,112), so `--processes N` runs N full routers:
   requests once, exactly as replicas do;
 - /metrics adds up the processes' counters, histograms and in-flight gauges (Prometheus'
   multiprocess files, in the same directory); the fleet's gauges (index, health) are the
-  answering process's, the same in every one;
+  answering process's, the same in every one; what every process sees alike (the workers'
+  KV event counters, the decode workers' KV bytes and failed pulls) only the first process
+  counts (`counts_worker_totals`): a dead process's counter file stays, so a restarted
+  first process adds to what its predecessor counted and the sum never goes back;
 - an admin change (POST /admin/workers, drain, undrain) is applied by the process that got it
   and passed on to the others over their private sockets before it answers.
 
@@ -76,6 +79,15 @@ def role_from_env(environ: dict[str, str] | None = None) -> ProcessRole | None:
     if ENV_INDEX not in env:
         return None
     return ProcessRole(int(env[ENV_INDEX]), int(env[ENV_COUNT]), Path(env[ENV_DIR]))
+
+
+def counts_worker_totals(environ: dict[str, str] | None = None) -> bool:
+    """Whether this process counts what every process sees alike (the workers' KV event
+    counters, the decode workers' KV bytes and failed pulls): one that is not one of
+    `--processes`, or the first of them. Counted by each, their sum over the processes'
+    metrics files would multiply them."""
+    role = role_from_env(environ)
+    return role is None or role.index == 0
 
 
 def _tcp_socket(host: str) -> socket.socket:

@@ -1,10 +1,13 @@
 """The /metrics fast path (`engines.vllm.metrics_text`) against prometheus_client's parser:
 on any page the full parser accepts, the router reads the same load, cache config and
-counters either way."""
+counters either way. And the router's own counters that every `--processes` process would
+count alike are counted by the first only."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -154,3 +157,91 @@ def test_unwanted_lines_are_not_parsed() -> None:
     # junk in lines the router never reads does not cost it the load figures
     text = "vllm:h_bucket{le=broken 1\nvllm:num_requests_waiting 4\n"
     assert parse_metrics(text).waiting == 4
+
+
+# ---- what `kvroute serve --processes N` counts once (router/metrics.py, router/pd) ----------
+
+
+@pytest.mark.parametrize(
+    ("environ", "counts"),
+    [
+        pytest.param({}, True, id="not-one-of-processes"),
+        pytest.param({"KVROUTE_PROCESS_INDEX": "0"}, True, id="the-first"),
+        pytest.param({"KVROUTE_PROCESS_INDEX": "1"}, False, id="a-sibling"),
+    ],
+)
+def test_only_the_first_process_counts_what_all_see(environ: dict[str, str], counts: bool) -> None:
+    from router.processes import ENV_COUNT, ENV_DIR, counts_worker_totals
+
+    if environ:
+        environ |= {ENV_COUNT: "2", ENV_DIR: "/nowhere"}
+    assert counts_worker_totals(environ) is counts
+
+
+NAMES = ("kv_bytes", "failed_pulls", "verified_handoffs")
+
+
+def test_a_sibling_process_leaves_the_decode_workers_counters_alone() -> None:
+    from router.pd.metrics import PDMetrics
+
+    pages = []
+    for owner in (True, False):
+        r = CollectorRegistry()
+        m = PDMetrics(r, dict, owner=owner)
+        m.kv_bytes.labels("d:1").inc(4096)
+        m.failed_pulls.labels("d:1").inc()
+        m.verified.labels("d:1").inc()  # its own splits: every process counts its own
+        pages.append(
+            [r.get_sample_value(f"kvroute_pd_{n}_total", {"worker": "d:1"}) for n in NAMES]
+        )
+    assert pages == [[4096.0, 1.0, 1.0], [None, None, 1.0]]
+
+
+def _pool(counters: Any, restarts: int = 0) -> Any:
+    """What the event-counter mirror reads of a pool: one worker's feed."""
+    from types import SimpleNamespace as NS
+
+    feed = NS(
+        state=NS(name="w:1"),
+        ingest=NS(counters=counters),
+        subscriber=NS(status=NS(restarts=restarts)),
+    )
+    return NS(handles={"w:1": NS(feeds=[feed])}, fleet=NS(index=NS(evicted_at_cap=lambda _: 0)))
+
+
+def test_the_first_process_adds_what_its_event_counters_grew_by_to_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Growth is added; counters that began again (the worker was rediscovered) add all
+    they hold; between two writes less than MIRROR_EVERY_S apart nothing is read."""
+    from prometheus_client import values
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    from indexer.ingest import IngestCounters
+    from router.metrics import MIRROR_EVERY_S, _CounterMirror
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    monkeypatch.setattr(values, "ValueClass", values.MultiProcessValue())  # type: ignore[no-untyped-call]
+    counters = IngestCounters(events={"BlockStored": 3}, gaps=1)
+    pool = _pool(counters)
+    mirror = _CounterMirror(lambda: pool)
+
+    def on_file() -> tuple[float | None, float | None]:
+        scrape = CollectorRegistry()
+        MultiProcessCollector(scrape, path=str(tmp_path))  # type: ignore[no-untyped-call]
+        stored = {"worker": "w:1", "type": "BlockStored"}
+        return (
+            scrape.get_sample_value("kvroute_kv_events_total", stored),
+            scrape.get_sample_value("kvroute_kv_sequence_gaps_total", {"worker": "w:1"}),
+        )
+
+    mirror.sync(now=100.0)
+    assert on_file() == (3.0, 1.0)
+    counters.events["BlockStored"] = 5
+    mirror.sync(now=100.0 + MIRROR_EVERY_S / 2)  # too soon: not read
+    assert on_file() == (3.0, 1.0)
+    mirror.sync(now=101.0)
+    assert on_file() == (5.0, 1.0)
+    pool.handles["w:1"].feeds[0].ingest.counters = IngestCounters(events={"BlockStored": 2})
+    mirror.sync(now=102.0)
+    assert on_file() == (7.0, 1.0)  # never back

@@ -7,6 +7,7 @@ drains them all and leaves nothing behind."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import signal
@@ -351,3 +352,152 @@ def test_a_sigterm_to_every_process_still_drains(fleet: FleetProcess) -> None:
         assert fresh(r.url, "/ready").status_code == 503
         assert r.proc.wait(20) == 0
         assert not any(alive(pid) for pid in kids)
+
+
+def child_by_index(r: RouterProcess) -> dict[int, int]:
+    """KVROUTE_PROCESS_INDEX -> pid of each running child."""
+    out = {}
+    for pid in children_of(r.proc.pid):
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        index = next(v for v in env if v.startswith(b"KVROUTE_PROCESS_INDEX="))
+        out[int(index.split(b"=", 1)[1])] = pid
+    return out
+
+
+def samples(text: str, name: str) -> dict[str, float]:
+    """Every sample of the families whose names start with `name`: series -> value."""
+    return {m[1]: float(m[2]) for m in re.finditer(rf"^({name}\S*) (\S+)$", text, re.M)}
+
+
+def kv_counters(url: str) -> dict[str, float]:
+    text = fresh(url, "/metrics").text
+    found = samples(text, "kvroute_kv_") | samples(text, "kvroute_index_evicted_total")
+    return {k: v for k, v in found.items() if "_total" in k}
+
+
+def never_back(scrapes: list[dict[str, float]]) -> None:
+    """Each series, once seen, is there in every later scrape and never smaller."""
+    for before, after in itertools.pairwise(scrapes):
+        for key, value in before.items():
+            assert after.get(key, -1.0) >= value, (key, value, after.get(key))
+
+
+def test_kv_event_counters_are_one_count_whichever_process_answers(fleet: FleetProcess) -> None:
+    """Every process consumes every worker's events, but only the first writes their
+    counters: every scrape agrees, and killing that process (its successor subscribes anew,
+    counting from 0) never takes a series back."""
+    with router(fleet) as r:
+        for i in range(6):
+            assert complete(r.url, f"kv counters {i}: " + "words for the events " * 8).is_success
+        stored = 'kvroute_kv_events_total{type="BlockStored"'
+        until(lambda: any(k.startswith(stored) for k in kv_counters(r.url)), 10, "events counted")
+        time.sleep(1.2)  # the first process's file has caught up with what it applied
+        scrapes = [kv_counters(r.url) for _ in range(12)]
+        assert all(s == scrapes[0] for s in scrapes), scrapes
+        first = child_by_index(r)[0]
+        os.kill(first, signal.SIGKILL)
+        until(
+            lambda: len(children_of(r.proc.pid)) == 2 and first not in children_of(r.proc.pid),
+            15,
+            "the supervisor starts a new first process",
+        )
+        until(lambda: processes_answering(r, 20) == {1, 2}, 30, "both answer again")
+        for i in range(6):
+            assert complete(r.url, f"after the restart {i}: " + "more words " * 12).is_success
+        for _ in range(20):
+            scrapes.append(kv_counters(r.url))
+            time.sleep(0.05)
+        never_back(scrapes)
+        assert scrapes[-1] != scrapes[0]  # the new first process counts on
+
+
+def prefill_tokens(url: str) -> float:
+    return sum(samples(fresh(url, "/metrics").text, "kvroute_inflight_prefill_tokens").values())
+
+
+def test_inflight_prefill_tokens_are_the_replicas_own() -> None:
+    """Replica A (two processes) and replica B (one) count each other's load for their
+    picks, but each one's kvroute_inflight_prefill_tokens is its own requests' (summed over
+    its processes, as kvroute_inflight_requests), whichever of A's processes answers."""
+    a_pub, b_pub = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    env = {"KVROUTE_SCRAPE_INTERVAL_S": "300"}
+    a_extra = ["--processes", "2", "--peer-publish", a_pub, "--peer", b_pub]
+    b_extra = ["--peer-publish", b_pub, "--peer", a_pub]
+    # every prefill step takes 3 s: requests sit before their first token long enough
+    with (
+        FleetProcess(2, extra=["--ttft-base-ms", "3000"]) as slow,
+        RouterProcess(slow.urls, tokenizer=PACKAGED_TOKENIZER, extra=a_extra, env=env) as a,
+        RouterProcess(slow.urls, tokenizer=PACKAGED_TOKENIZER, extra=b_extra, env=env) as b,
+        ThreadPoolExecutor(4) as pool,
+    ):
+        until(lambda: len(processes_answering(a)) == 2, 30, "both of A's processes answer")
+        prompt = "a prompt long enough to count its prefill tokens " * 6
+        through_b = [pool.submit(complete, b.url, f"via B {i}: {prompt}") for i in range(3)]
+        until(lambda: prefill_tokens(b.url) > 0, 5, "B counts its own prefill")
+        assert [prefill_tokens(a.url) for _ in range(8)] == [0.0] * 8  # B's are not A's
+        assert all(f.result().is_success for f in through_b)
+        through_a = [pool.submit(complete, a.url, f"via A {i}: {prompt}") for i in range(4)]
+        until(lambda: prefill_tokens(a.url) > 0, 5, "A counts its own prefill")
+        seen = [prefill_tokens(a.url) for _ in range(8)]
+        assert len(set(seen)) == 1, seen  # both processes' summed, whichever answers
+        assert prefill_tokens(b.url) == 0.0  # A's are not B's
+        assert all(f.result().is_success for f in through_a)
+        until(lambda: prefill_tokens(a.url) == 0, 5, "none left once they all answered")
+
+
+def test_pd_counters_read_from_the_decode_worker_are_counted_once() -> None:
+    """Each process proves its own splits from the decode worker's counters, which show
+    every process's pulls: the KV bytes the replica reports are the worker's, never a
+    multiple of them."""
+    from engines.sim.pd_fleet import start_pd_fleet
+    from engines.sim.pd_metrics import pd_snapshot
+
+    common = ["--kv-bytes-per-token", "4096", "--kv-lease-s", "5"]
+    extra = ["--processes", "2", "--pd-threshold", "256", "--no-pd-probe"]
+    with (
+        start_pd_fleet(1, 1, common) as pd,
+        RouterProcess(
+            [], tokenizer=PACKAGED_TOKENIZER, extra=[*pd.router_args, *extra], ready_timeout=60
+        ) as r,
+    ):
+        until(lambda: len(processes_answering(r)) == 2, 30, "every process answers")
+        decode = pd.decode_urls[0]
+        worker = decode.split("//")[1]
+
+        def engine_bytes() -> float:
+            return pd_snapshot(httpx.get(decode + "/metrics", timeout=10).text).bytes_transferred
+
+        def reported() -> float:
+            found = samples(fresh(r.url, "/metrics").text, "kvroute_pd_kv_bytes_total")
+            return found.get(f'kvroute_pd_kv_bytes_total{{worker="{worker}"}}', 0.0)
+
+        def split(i: int) -> None:
+            text = " ".join(f"s{i}x{j} lorem" for j in range(300))
+            body = {"prompt": text, "max_tokens": 2, "ignore_eos": True}
+            answer = fresh(r.url, "/v1/completions", method="POST", json=body)
+            assert answer.headers.get("x-kvroute-pd", "").startswith("split"), answer.text
+
+        def verified_by_each() -> dict[int, int]:
+            out = {}
+            for _ in range(12):
+                doc = fresh(r.url, "/health").json()
+                out[doc["process"]["index"]] = doc["pd"]["verified_handoffs"]
+            return out
+
+        i = 0
+        while min(verified_by_each().get(p, 0) for p in (1, 2)) == 0:  # both proved some
+            assert i < 40, verified_by_each()
+            split(i)
+            i += 1
+            time.sleep(0.7)  # each process checks the decode worker ~0.5 s after its split
+        counted = []
+        for _ in range(30):  # the first process's count is the worker's once it checked last
+            counted.append(reported())
+            assert counted[-1] <= engine_bytes(), (counted, engine_bytes())
+            if counted[-1] == engine_bytes():
+                break
+            split(i)
+            i += 1
+            time.sleep(1.0)
+        assert counted[-1] == engine_bytes() > 0, counted
+        assert counted == sorted(counted)

@@ -108,6 +108,9 @@ class LoadTracker:
     _busy: dict[str, _Busy] = field(default_factory=dict)
     # told the worker whose local load changed (the placement link publishes it)
     on_change: Callable[[str], None] | None = None
+    # told too, and of a worker forgotten (its local load is gone): under --processes each
+    # process's own in-flight prefill tokens go to its metrics file
+    watchers: list[Callable[[str], None]] = field(default_factory=list)
     clock: Clock = field(default_factory=MonotonicClock)
 
     def start(self, worker: str, uncached_tokens: int, blocks: int, rides: bool = False) -> Ticket:
@@ -118,8 +121,7 @@ class LoadTracker:
         local.prefill_tokens += uncached_tokens
         local.riders += rides
         self._counted(worker)
-        if self.on_change is not None:
-            self.on_change(worker)
+        self._changed(worker)
         return Ticket(worker, uncached_tokens, blocks, rides=rides, counted=local)
 
     def first_token(self, t: Ticket) -> None:
@@ -130,8 +132,8 @@ class LoadTracker:
         local.prefill_tokens -= t.prefill_tokens
         local.riders -= t.rides
         local.decode_blocks += t.blocks
-        if self.on_change is not None and self._local.get(t.worker) is local:
-            self.on_change(t.worker)
+        if self._local.get(t.worker) is local:
+            self._changed(t.worker)
 
     def finish(self, t: Ticket) -> None:
         if t.done:
@@ -147,8 +149,13 @@ class LoadTracker:
         if self._local.get(t.worker) is not local:
             return  # the worker was forgotten since: its counters are gone with it
         self._counted(t.worker)
+        self._changed(t.worker)
+
+    def _changed(self, worker: str) -> None:
         if self.on_change is not None:
-            self.on_change(t.worker)
+            self.on_change(worker)
+        for watcher in self.watchers:
+            watcher(worker)
 
     def local(self, worker: str) -> PeerLoad:
         """This replica's own in-flight load on `worker`: what it tells its peers."""
@@ -228,3 +235,5 @@ class LoadTracker:
         self._scraped.pop(worker, None)
         self._peers.pop(worker, None)
         self._busy.pop(worker, None)
+        for watcher in self.watchers:
+            watcher(worker)

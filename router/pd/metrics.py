@@ -1,4 +1,9 @@
-"""The prefill->decode handoff's Prometheus metrics, registered on the router's registry."""
+"""The prefill->decode handoff's Prometheus metrics, registered on the router's registry.
+
+Two counters are the decode workers' own (`vllm:nixl_bytes_transferred`,
+`vllm:nixl_num_failed_transfers`), added up from their /metrics: under `--processes` every
+process reads the same growth, so only the first counts them (the others' files would
+multiply the sum by the processes)."""
 
 from __future__ import annotations
 
@@ -9,12 +14,33 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from router.processes import counts_worker_totals
+
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
+class _NotCounted:
+    """A counter's stand-in in the processes that leave it to the first."""
+
+    def labels(self, *labels: str) -> _NotCounted:
+        return self
+
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+
 class PDMetrics:
-    def __init__(self, registry: CollectorRegistry, estimates: Callable[[], dict[str, Any]]):
+    """`owner`: counts what the decode workers report (default: not one of --processes,
+    or its first process)."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        estimates: Callable[[], dict[str, Any]],
+        owner: bool | None = None,
+    ):
         r = registry
+        owner = counts_worker_totals() if owner is None else owner
         self.decisions = Counter(
             "kvroute_pd_decisions_total",
             "P/D decisions for completions and chat: decision split or local, and the reason "
@@ -44,12 +70,14 @@ class PDMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.kv_bytes = Counter(
-            "kvroute_pd_kv_bytes",
-            "KV bytes the decode workers pulled (their vllm:nixl_bytes_transferred)",
-            ["worker"],
-            registry=r,
-        )
+        self.kv_bytes: Counter | _NotCounted = _NotCounted()
+        if owner:
+            self.kv_bytes = Counter(
+                "kvroute_pd_kv_bytes",
+                "KV bytes the decode workers pulled (their vllm:nixl_bytes_transferred)",
+                ["worker"],
+                registry=r,
+            )
         self.verified = Counter(
             "kvroute_pd_verified_handoffs",
             "Splits whose pull the decode worker's metrics prove (external_kv_transfer tokens)",
@@ -62,12 +90,14 @@ class PDMetrics:
             ["worker"],
             registry=r,
         )
-        self.failed_pulls = Counter(
-            "kvroute_pd_failed_pulls",
-            "Failed NIXL transfers on the decode workers (vllm:nixl_num_failed_transfers)",
-            ["worker"],
-            registry=r,
-        )
+        self.failed_pulls: Counter | _NotCounted = _NotCounted()
+        if owner:
+            self.failed_pulls = Counter(
+                "kvroute_pd_failed_pulls",
+                "Failed NIXL transfers on the decode workers (vllm:nixl_num_failed_transfers)",
+                ["worker"],
+                registry=r,
+            )
         self.orphans = Counter(
             "kvroute_pd_orphaned_prefills",
             "Prefill legs whose KV no decode leg will read: the prefill worker holds the blocks "
