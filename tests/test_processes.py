@@ -451,6 +451,7 @@ def test_pd_counters_read_from_the_decode_worker_are_counted_once() -> None:
     multiple of them."""
     from engines.sim.pd_fleet import start_pd_fleet
     from engines.sim.pd_metrics import pd_snapshot
+    from router.pd.door import SWEEP_S
 
     common = ["--kv-bytes-per-token", "4096", "--kv-lease-s", "5"]
     extra = ["--processes", "2", "--pd-threshold", "256", "--no-pd-probe"]
@@ -501,3 +502,23 @@ def test_pd_counters_read_from_the_decode_worker_are_counted_once() -> None:
             time.sleep(1.0)
         assert counted[-1] == engine_bytes() > 0, counted
         assert counted == sorted(counted)
+
+        # splits made by the second process alone (one keep-alive connection to it): the
+        # first reads the decode worker on its own sweep, so the count still catches up
+        for _ in range(40):
+            second = httpx.Client(base_url=r.url, timeout=30)
+            if second.get("/health").json()["process"]["index"] == 2:
+                break
+            second.close()
+        else:
+            raise AssertionError("no connection reached the second process")
+        try:
+            for j in range(3):
+                body = {"prompt": " ".join(f"t{j}x{k} ipsum" for k in range(300)), "max_tokens": 2}
+                answer = second.post("/v1/completions", json=body)
+                assert answer.headers.get("x-kvroute-pd", "").startswith("split"), answer.text
+                assert second.get("/health").json()["process"]["index"] == 2
+        finally:
+            second.close()
+        until(lambda: reported() == engine_bytes(), SWEEP_S + 5, "the first process's sweep")
+        assert reported() > counted[-1]

@@ -41,6 +41,7 @@ from router.pd.legs import (
 from router.pd.metrics import PDMetrics
 from router.pd.verify import Verifier
 from router.pd.wire import decode_body, not_splittable, request_doc
+from router.processes import counts_worker_totals, role_from_env
 from router.routing import DecisionService, Ticket
 from router.upstream import UpstreamPool
 
@@ -50,6 +51,9 @@ ACTIVE_POLL_S = 1.0  # how soon a fleet's first prefill worker, added after star
 # prefill legs failing in a row on one worker before /health names it (one failure can be a
 # restart or a blip; every one of them costs a second prefill)
 PREFILL_FAILURES_DEGRADE = 3
+# the first of --processes reads every decode worker at least this often: the KV bytes and
+# failed pulls it alone counts keep up with its siblings' splits
+SWEEP_S = 5.0
 
 Local = Callable[[Any, Send], Awaitable[None]]
 
@@ -79,7 +83,9 @@ class PDDoor:
             pd_threshold(config.pd_threshold), link, config.pd_kv_bytes_per_token
         )
         self.metrics = PDMetrics(registry, self.model.snapshot)
-        self.verifier = Verifier(self.pool, self.model, self.metrics)
+        # the first of --processes counts every decode worker's pulls, its siblings' too
+        sweep_s = SWEEP_S if role_from_env() is not None and counts_worker_totals() else None
+        self.verifier = Verifier(self.pool, self.model, self.metrics, sweep_s=sweep_s)
         # prefill worker -> (legs failed in a row there, the last failure)
         self._prefill_failures: dict[str, tuple[int, str]] = {}
         self.calibration = Calibration(self.pool, self.model)

@@ -3,7 +3,10 @@ silent recompute, failed pulls counted, and what the counters say about the link
 KV size fed to the cost model. Its findings make `/health` degraded (200, named).
 
 One loop, owned by the P/D door (started and stopped with the app): a decode worker is
-scraped only while some of its splits wait for proof, at most every `interval_s`.
+scraped only while some of its splits wait for proof, at most every `interval_s`. With
+`sweep_s` (the first of `--processes`, which alone counts the workers' KV bytes and failed
+pulls for all of them) every decode worker is read at least that often too, so those
+counters keep up with the splits its siblings made.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class Verifier:
     model: CostModel
     metrics: PDMetrics
     interval_s: float = 0.5
+    sweep_s: float | None = None
     ledgers: dict[str, Ledger] = field(default_factory=dict)
     accounts: dict[str, WorkerAccount] = field(default_factory=dict)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -88,10 +92,18 @@ class Verifier:
 
     async def run(self) -> None:
         while True:
-            await self._wake.wait()
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.sweep_s)
+                swept = False
+            except TimeoutError:
+                swept = True  # nothing of its own to prove: read them all anyway
             self._wake.clear()
             await asyncio.sleep(self.interval_s)  # let the metrics catch up, batch splits
-            due = [w for w, led in self.ledgers.items() if led.pending_splits or led.last is None]
+            due = [
+                w
+                for w, led in self.ledgers.items()
+                if swept or led.pending_splits or led.last is None
+            ]
             await asyncio.gather(*(self._check(w) for w in due))
 
     async def _check(self, worker: str) -> None:
