@@ -36,6 +36,7 @@ class RoutingInput:
     # the template's kwargs as vLLM merges them (`_template_kwargs`), tools apart
     template_extra: dict[str, Any] | None = None
     tools: list[Any] | None = None  # as vLLM hands them to the template (`vllm_tools`)
+    chat_template: str | None = None  # the request's own (engines that trust it render it)
     # vLLM's defaults: the tokenizer's specials (BOS) for completions; none for chat,
     # whose template places its own
     add_special_tokens: bool = True
@@ -240,6 +241,9 @@ def _chat(doc: dict[str, Any], common: dict[str, Any]) -> RoutingInput:
     kwargs = _template_kwargs(doc, extra or {})
     if kwargs.get("tools") is not None:  # the request's chat_template_kwargs win
         tools = None
+    template = doc.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        raise BadRequest("'chat_template' must be a string", param="chat_template")
     return RoutingInput(
         "chat",
         messages=messages,
@@ -247,6 +251,7 @@ def _chat(doc: dict[str, Any], common: dict[str, Any]) -> RoutingInput:
         continue_final_message=continues,
         template_extra=kwargs or None,
         tools=None if tools is None else [vllm_tool(t) for t in tools],
+        chat_template=template,
         **common,
     )
 

@@ -31,6 +31,7 @@ import msgspec
 
 from indexer.clock import Clock
 from indexer.hashing import Namespace
+from indexer.ingest import BurstLog
 from router.core.config import Config
 from router.core.decision import Constraints, Decision, RouteRequest
 from router.core.errors import BadRequest, NoWorkerAvailable, Overloaded
@@ -94,6 +95,7 @@ class DecisionService:
         self.started = False
         self.draining = False  # SIGTERM: stop taking new traffic
         self._remote_cache = TokenCache()
+        self._burst_log = BurstLog(clock)
         # told (endpoint, block hashes) of every request sent: the replicas' placement link
         # (and whether its prefix was new: the link sends those at once)
         self.on_sent: list[Callable[[str, Sequence[int], bool], None]] = []
@@ -238,12 +240,27 @@ class DecisionService:
                     else {**(rin.template_extra or {}), "tools": rin.tools},
                     add_special_tokens=rin.add_special_tokens,
                     continue_final_message=rin.continue_final_message,
+                    template_source=self._request_template(rin),
                 )
             return await tok.acompletion(
                 rin.prompt_text or "", add_special_tokens=rin.add_special_tokens
             )
         except (TypeError, ValueError) as exc:  # a chat template choking on odd messages
             raise BadRequest(f"the request cannot be tokenized: {exc}", param="messages") from None
+
+    def _request_template(self, rin: RoutingInput) -> str | None:
+        """The request's own chat template, where the engines render it (both trust it)."""
+        if rin.chat_template is None:
+            return None
+        if self.config.trust_request_chat_template:
+            return rin.chat_template
+        self._burst_log.warn(
+            "untrusted-template",
+            "chat requests carry their own chat_template, which kvroute renders with the "
+            "model's template instead (their prefixes may not match the engines'): if the "
+            "engines run with --trust-request-chat-template, give kvroute the same flag",
+        )
+        return None
 
     async def _remote_tokens(self, rin: RoutingInput) -> Sequence[int]:
         """A worker of the model's pool tokenizes (its own /tokenize), cached by content."""
@@ -256,6 +273,9 @@ class DecisionService:
             }
             if rin.continue_final_message:
                 body["continue_final_message"] = True
+            template = self._request_template(rin)
+            if template is not None:  # the worker renders it as it will for the request
+                body["chat_template"] = template
             if rin.tools is not None:  # the worker's own /tokenize normalises them as here
                 body["tools"] = rin.tools
             if rin.template_extra:

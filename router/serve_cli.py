@@ -11,7 +11,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from router.core.config import MODES, POLICIES, REMOTE, Config, from_env, from_mapping
+from router.core.config import (
+    CONTENT_FORMATS,
+    MODES,
+    POLICIES,
+    REMOTE,
+    Config,
+    from_env,
+    from_mapping,
+)
 from router.core.errors import ConfigError
 
 log = logging.getLogger("kvroute.serve")
@@ -114,6 +122,28 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
         help="folder with the model's tokenizer.json + tokenizer_config.json (fast), or "
         "'remote' to ask the workers' /tokenize (default: remote); MODEL=... sets one "
         "model's tokenizer (repeatable)",
+    )
+    p.add_argument(
+        "--chat-template",
+        action="append",
+        metavar="[MODEL=]FILE|TEMPLATE",
+        help="the engines' --chat-template, when they run with one: the file (mounted here "
+        "too) or the template itself; chats are then rendered with it, not the tokenizer "
+        "folder's (MODEL=... for one model, repeatable; with --tokenizer remote the workers "
+        "render, and this is not needed)",
+    )
+    p.add_argument(
+        "--chat-template-content-format",
+        choices=CONTENT_FORMATS,
+        help="the engines' --chat-template-content-format (default auto: read from the "
+        "template, as vLLM does)",
+    )
+    p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        default=None,
+        help="the engines run with --trust-request-chat-template: render a request's own "
+        "chat_template as they do (otherwise the model's template is used for routing)",
     )
     p.add_argument(
         "--worker-api-key",
@@ -355,6 +385,8 @@ _PLAIN = [
     "pd_probe",
     "pd_max_prefill_inflight",
     "pd_fault_strip_params",
+    "chat_template_content_format",
+    "trust_request_chat_template",
 ]
 
 
@@ -374,11 +406,17 @@ def load_config(args: argparse.Namespace, environ: dict[str, str] | None = None)
             {"url": url, "role": role} for role, urls in roles.items() for url in urls or ()
         ]
     if getattr(args, "tokenizer", None):
-        default, per_model = split_tokenizer_flags(args.tokenizer)
+        default, per_model = split_model_flags(args.tokenizer)
         if default is not None:
             flags["tokenizer"] = default
         if per_model:
             flags["tokenizers"] = {**base.tokenizers, **per_model}
+    if getattr(args, "chat_template", None):
+        default, per_model = split_model_flags(args.chat_template)
+        if default is not None:
+            flags["chat_template"] = default
+        if per_model:
+            flags["chat_templates"] = {**base.chat_templates, **per_model}
     for name in [*_PLAIN, *(t[1] for t in _TUNING)]:
         value = getattr(args, name, None)
         if value is not None:
@@ -386,13 +424,15 @@ def load_config(args: argparse.Namespace, environ: dict[str, str] | None = None)
     return from_mapping(flags, base).validate()
 
 
-def split_tokenizer_flags(values: list[str]) -> tuple[str | None, dict[str, str]]:
-    """`--tokenizer PATH|remote` (the default) and `--tokenizer MODEL=PATH|remote`."""
+def split_model_flags(values: list[str]) -> tuple[str | None, dict[str, str]]:
+    """`--tokenizer PATH|remote` (the default) and `--tokenizer MODEL=PATH|remote`; the same
+    for `--chat-template`, whose value may be a template itself (it holds `{`, and never as
+    the first character of a model's name)."""
     default: str | None = None
     per_model: dict[str, str] = {}
     for v in values:
         model, sep, spec = v.partition("=")
-        if sep and model and spec and not os.path.exists(v):
+        if sep and model and spec and not os.path.exists(v) and not any(c in model for c in "{}\n"):
             per_model[model] = spec
         else:
             default = v

@@ -38,7 +38,14 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from router.core.errors import ConfigError
-from router.tokenize_chat import chat_templates, pick, render, token_text
+from router.tokenize_chat import (
+    chat_templates,
+    compile_template,
+    pick,
+    render,
+    request_template,
+    token_text,
+)
 from router.tokenize_split import Splittable, pieces, splittable
 from router.tokenize_store import (
     Anchors,
@@ -96,7 +103,11 @@ class LocalTokenizer:
         piece_chars: int = PIECE_CHARS,
         fine_chars: int = FINE_CHARS,
         inline_chars: int = INLINE_CHARS,
+        chat_template: str | None = None,
+        content_format: str = "auto",
     ) -> None:
+        """`chat_template` (the template's text) replaces the folder's, as the engines'
+        `--chat-template` does; `content_format` is their `--chat-template-content-format`."""
         folder = Path(folder)
         tok_file = folder / "tokenizer.json"
         if not tok_file.exists():
@@ -117,7 +128,15 @@ class LocalTokenizer:
             "bos_token": token_text(cfg.get("bos_token")),
             "eos_token": token_text(cfg.get("eos_token")),
         }
-        self._templates = chat_templates(folder, cfg)
+        self.content_format = content_format
+        try:
+            if chat_template is not None:
+                self._templates = {"default": compile_template(chat_template, content_format)}
+            else:
+                self._templates = chat_templates(folder, cfg, content_format)
+        except ValueError as exc:
+            where = "chat_template" if chat_template is not None else f"{folder}'s chat template"
+            raise ConfigError(f"config field {where}: {exc}", param="chat_template") from None
         self.cache = TokenCache(cache_items)
         self.pieces = PieceStore()
         self.prefixes = PrefixMemos()
@@ -177,9 +196,15 @@ class LocalTokenizer:
         add_generation_prompt: bool = True,
         extra: Mapping[str, Any] | None = None,
         continue_final_message: bool = False,
+        template_source: str | None = None,
     ) -> str:
-        """The chat's text as vLLM renders it; with media, the text before the first."""
-        template = pick(self._templates, (extra or {}).get("tools"))
+        """The chat's text as vLLM renders it; with media, the text before the first.
+        `template_source`: the request's own template (`--trust-request-chat-template`)."""
+        template = (
+            pick(self._templates, (extra or {}).get("tools"))
+            if template_source is None
+            else request_template(template_source, self.content_format)
+        )
         return render(
             template,
             self._specials,
@@ -197,8 +222,10 @@ class LocalTokenizer:
         extra: Mapping[str, Any] | None = None,
         add_special_tokens: bool = False,
         continue_final_message: bool = False,
+        template_source: str | None = None,
     ) -> list[int]:
-        how = (add_generation_prompt, extra, add_special_tokens, continue_final_message)
+        how: tuple[Any, ...] = (add_generation_prompt, extra, add_special_tokens)
+        how += (continue_final_message, *(() if template_source is None else (template_source,)))
         key = _chat_key(messages, *how)
         hit = self.cache.get(key)
         if hit is None:
@@ -207,6 +234,7 @@ class LocalTokenizer:
                 add_generation_prompt=add_generation_prompt,
                 extra=extra,
                 continue_final_message=continue_final_message,
+                template_source=template_source,
             )
             hit = self._tokens(key, text, specials=add_special_tokens)
         return hit.tolist()
@@ -219,8 +247,10 @@ class LocalTokenizer:
         extra: Mapping[str, Any] | None = None,
         add_special_tokens: bool = False,
         continue_final_message: bool = False,
+        template_source: str | None = None,
     ) -> Sequence[int]:
-        how = (add_generation_prompt, extra, add_special_tokens, continue_final_message)
+        how: tuple[Any, ...] = (add_generation_prompt, extra, add_special_tokens)
+        how += (continue_final_message, *(() if template_source is None else (template_source,)))
         key = _chat_key(messages, *how)
         hit = self.cache.get(key)
         if hit is not None:
@@ -230,6 +260,7 @@ class LocalTokenizer:
             add_generation_prompt=add_generation_prompt,
             extra=extra,
             continue_final_message=continue_final_message,
+            template_source=template_source,
         )
         return await self._atokens(key, text, specials=add_special_tokens)
 
@@ -348,12 +379,6 @@ def truncate(
     return out[-keep:]
 
 
-def _chat_key(
-    messages: Sequence[Mapping[str, Any]],
-    add_generation_prompt: bool,
-    extra: Mapping[str, Any] | None,
-    add_special_tokens: bool,
-    continue_final_message: bool,
-) -> tuple[str, str]:
-    key = [messages, add_generation_prompt, extra, add_special_tokens, continue_final_message]
-    return "m", json.dumps(key, sort_keys=True, default=str)
+def _chat_key(messages: Sequence[Mapping[str, Any]], *how: Any) -> tuple[str, str]:
+    """`how`: the prompt flags, kwargs and (when the request has one) its template."""
+    return "m", json.dumps([messages, *how], sort_keys=True, default=str)

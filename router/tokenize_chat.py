@@ -6,6 +6,7 @@ content format it detects from the template, and cut as `continue_final_message`
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -78,13 +79,44 @@ class ChatTemplate:
     speaks_developer: bool  # names the "developer" role: otherwise it becomes "system"
 
 
-def compile_template(source: str) -> ChatTemplate:
+def compile_template(source: str, fmt: str = "auto") -> ChatTemplate:
+    """`fmt`: "auto" detects the content format from the template, as vLLM does by default;
+    "string" or "openai" is what the engines' `--chat-template-content-format` forces."""
+    try:
+        template = _ENV.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"not a valid Jinja template: {exc} (line {exc.lineno})") from None
     return ChatTemplate(
-        _ENV.from_string(source),
+        template,
         source,
-        content_format(_ENV, source),
+        content_format(_ENV, source) if fmt == "auto" else fmt,  # type: ignore[arg-type]
         '"developer"' in source or "'developer'" in source,
     )
+
+
+@functools.lru_cache(maxsize=64)
+def request_template(source: str, fmt: str = "auto") -> ChatTemplate:
+    """A request's own `chat_template` (`--trust-request-chat-template`), compiled once:
+    clients that send one send the same one again."""
+    try:
+        return compile_template(source, fmt)
+    except ValueError as exc:
+        raise BadRequest(f"'chat_template' is {exc}", param="chat_template") from None
+
+
+def load_template(value: str) -> str:
+    """A chat template given as vLLM's `--chat-template` takes it: a file's path, or the
+    template itself (a value holding any of `{`, `}` or a newline that is not a file)."""
+    try:
+        return Path(value).read_text(encoding="utf-8")
+    except OSError as exc:
+        if any(c in value for c in "{}\n"):
+            return value
+        raise ValueError(
+            f"{value!r} looks like a file path but cannot be read ({exc.strerror}): give the "
+            "file the engines' --chat-template names (mounted where the router runs), or the "
+            "template itself; vLLM's built-in template names are not known to the router"
+        ) from None
 
 
 def token_text(value: Any) -> str:
@@ -93,7 +125,9 @@ def token_text(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-def chat_templates(folder: Path, cfg: Mapping[str, Any]) -> dict[str, ChatTemplate]:
+def chat_templates(
+    folder: Path, cfg: Mapping[str, Any], fmt: str = "auto"
+) -> dict[str, ChatTemplate]:
     """The folder's templates by name, as transformers loads them: `chat_template.jinja` and
     `additional_chat_templates/*.jinja` when there are any (they win), else the
     tokenizer_config.json entry (one template, or a list of named ones)."""
@@ -111,7 +145,7 @@ def chat_templates(folder: Path, cfg: Mapping[str, Any]) -> dict[str, ChatTempla
             sources = {t["name"]: t["template"] for t in entry}
         elif entry:
             sources["default"] = entry
-    return {name: compile_template(source) for name, source in sources.items()}
+    return {name: compile_template(source, fmt) for name, source in sources.items()}
 
 
 def pick(templates: Mapping[str, ChatTemplate], tools: Any) -> ChatTemplate | None:

@@ -145,6 +145,7 @@ def test_every_serve_flag_reaches_the_config() -> None:
     serve = commands.choices["serve"]
     fields = {f for f in Config.__dataclass_fields__}
     carried = {*_PLAIN, *(t[1] for t in _TUNING), "workers", "tokenizer", "tokenizers"}
+    carried |= {"chat_template", "chat_templates"}
     named = {a.dest for a in serve._actions if a.dest in fields}
     assert named and named <= carried, sorted(named - carried)
     cfg = load_config(parser.parse_args(["serve", "--worker", "http://a:1", "--otel"]), {})

@@ -17,7 +17,7 @@ from router.app import RouterApp
 from router.core.config import Config, WorkerConfig
 from router.core.errors import ConfigError
 from router.procs import serve_in_process
-from router.serve_cli import load_config, split_tokenizer_flags
+from router.serve_cli import load_config, split_model_flags
 from router.tokenize import PACKAGED_TOKENIZER
 
 pytestmark = pytest.mark.timeout(120)
@@ -109,7 +109,7 @@ async def test_admin_api_validates_like_the_config() -> None:
 def test_tokenizer_flags_split_default_and_per_model(tmp_path: Path) -> None:
     odd = tmp_path / "a=b"
     odd.mkdir()
-    default, per_model = split_tokenizer_flags(
+    default, per_model = split_model_flags(
         ["/models/x", "llama=/models/llama", "qwen=remote", str(odd)]
     )
     assert default == str(odd)  # an existing folder whose name has "=" is a path

@@ -9,7 +9,9 @@ an image are the head of the engine's for the same chat with the image as text.
 
 vLLM only (the simulator renders string content only). The engine is the check's own,
 started with `--trust-request-chat-template` so that a request may carry the template;
-kvroute reads the same template from a copy of the model's tokenizer folder."""
+kvroute reads the same template from a copy of the model's tokenizer folder, and again as
+the engines' `--chat-template` would give it (kvroute's flag of that name) and as the
+request's own `chat_template` (kvroute's `--trust-request-chat-template`)."""
 
 from __future__ import annotations
 
@@ -224,6 +226,7 @@ def _kvroute_tokens(local: LocalTokenizer, rin: RoutingInput) -> list[int]:
         extra=extra,
         add_special_tokens=rin.add_special_tokens,
         continue_final_message=rin.continue_final_message,
+        template_source=rin.chat_template,  # as with --trust-request-chat-template
     )
 
 
@@ -257,6 +260,14 @@ async def tokenizer_chat(ctx: Context, f: Findings) -> None:
         name: LocalTokenizer(_folder(model_dir, work / name, t), piece_chars=24, fine_chars=6)
         for name, t in TEMPLATES.items()
     }
+    # the same templates given as the engines' --chat-template, over the model's own folder
+    flagged = {
+        name: LocalTokenizer(model_dir, chat_template=t, piece_chars=24, fine_chars=6)
+        for name, t in TEMPLATES.items()
+        if t is not None
+    }
+    plain = LocalTokenizer(model_dir, piece_chars=24, fine_chars=6)
+    compared = 0
     server = VllmServer(
         model_dir,
         num_gpu_blocks=32,
@@ -271,6 +282,14 @@ async def tokenizer_chat(ctx: Context, f: Findings) -> None:
                 mine = _kvroute_tokens(locals_[template], rin)
                 theirs = await _engine_tokens(http, server.model, fields, template)
                 _record(f, name, mine, theirs, head=False)
+                compared += 1
+                if template in flagged:
+                    mine = _kvroute_tokens(flagged[template], rin)
+                    _record(f, f"{name} [--chat-template]", mine, theirs, head=False)
+                    own = {"model": "m", **fields, "chat_template": TEMPLATES[template]}
+                    mine = _kvroute_tokens(plain, parse("chat", json.dumps(own).encode()))
+                    _record(f, f"{name} [request chat_template]", mine, theirs, head=False)
+                    compared += 2
             for name, template in MEDIA:
                 rin = parse(
                     "chat", json.dumps({"model": "m", "messages": _media_chat(IMAGE)}).encode()
@@ -280,7 +299,8 @@ async def tokenizer_chat(ctx: Context, f: Findings) -> None:
                 theirs = await _engine_tokens(http, server.model, fields, template)
                 _record(f, name, mine, theirs, head=True)
                 f.require(len(mine) >= 32, f"{name}: the text before the image fills no block")
-    f.note("compared", len(CASES) + len(MEDIA))
+    f.require(compared > len(CASES), "no case used a template given by flag or by request")
+    f.note("compared", compared + len(MEDIA))
 
 
 async def _engine_tokens(

@@ -36,5 +36,6 @@ HINTS = EngineHints(
     prefix_caching_off=PREFIX_CACHING_FIX,
     block_size_mismatch="set block_size: {reported} or start vLLM with --block-size {configured}",
     tokenizer_mismatch="point --tokenizer at the same files the engine loads (or use "
-    "--tokenizer remote)",
+    "--tokenizer remote); a chat probe alone differing: give kvroute the engine's "
+    "--chat-template and --chat-template-content-format",
 )

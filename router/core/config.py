@@ -24,6 +24,7 @@ ROLES = ("both", "prefill", "decode")
 ENGINES = ("vllm",)  # the adapters in engines.ADAPTERS (a test keeps the two in step)
 ENV_PREFIX = "KVROUTE_"
 REMOTE = "remote"
+CONTENT_FORMATS = ("auto", "string", "openai")  # vLLM's --chat-template-content-format
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,13 @@ class Config:
     policy_params: dict[str, Any] = field(default_factory=dict)
     tokenizer: str | None = None  # default for every model: a tokenizer folder, or "remote"
     tokenizers: dict[str, str] = field(default_factory=dict)  # model -> folder or "remote"
+    # the engines' --chat-template (a file, or the template itself), for every model / one
+    # model; local tokenizers render chats with it instead of their folder's
+    chat_template: str | None = None
+    chat_templates: dict[str, str] = field(default_factory=dict)
+    chat_template_content_format: str = "auto"  # the engines' flag: auto | string | openai
+    # the engines' --trust-request-chat-template: a request's own chat_template is rendered
+    trust_request_chat_template: bool = False
     block_size: int | None = None
     model: str = ""  # the hash namespace's model part (kept "" unless chains must differ)
     metrics: bool = True
@@ -242,6 +250,19 @@ class Config:
         self._check_processes()
         for model, spec in self.tokenizers.items():
             _check(bool(model) and bool(spec), f"tokenizers.{model}", "give MODEL: PATH|remote")
+        for model, spec in self.chat_templates.items():
+            _check(
+                bool(model) and bool(spec),
+                f"chat_templates.{model}",
+                "give MODEL: FILE (or the template itself)",
+            )
+        _check(self.chat_template != "", "chat_template", "is empty: give a file or a template")
+        _check(
+            self.chat_template_content_format in CONTENT_FORMATS,
+            "chat_template_content_format",
+            f"{self.chat_template_content_format!r} is not one of {', '.join(CONTENT_FORMATS)} "
+            "(the engines' --chat-template-content-format)",
+        )
         _check(
             self.tokenizer != "",
             "tokenizer",
@@ -485,7 +506,7 @@ def from_env(base: Config, environ: dict[str, str] | None = None) -> Config:
     values: dict[str, Any] = {}
     for f in fields(Config):
         raw = env.get(ENV_PREFIX + f.name.upper())
-        if raw is None or f.name in ("scoring", "tokenizers", "policy_params"):
+        if raw is None or f.name in ("scoring", "tokenizers", "chat_templates", "policy_params"):
             continue
         if f.name in ("workers", "peers"):
             values[f.name] = [u.strip() for u in raw.split(",") if u.strip()]
