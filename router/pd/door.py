@@ -86,6 +86,7 @@ class PDDoor:
         # the first of --processes counts every decode worker's pulls, its siblings' too
         sweep_s = SWEEP_S if role_from_env() is not None and counts_worker_totals() else None
         self.verifier = Verifier(self.pool, self.model, self.metrics, sweep_s=sweep_s)
+        self.verifier.decode_workers = self._decode_endpoints
         # prefill worker -> (legs failed in a row there, the last failure)
         self._prefill_failures: dict[str, tuple[int, str]] = {}
         self.calibration = Calibration(self.pool, self.model)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +60,7 @@ class Verifier:
     metrics: PDMetrics
     interval_s: float = 0.5
     sweep_s: float | None = None
+    decode_workers: Callable[[], list[str]] = field(default=lambda: [])  # what a sweep reads
     ledgers: dict[str, Ledger] = field(default_factory=dict)
     accounts: dict[str, WorkerAccount] = field(default_factory=dict)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -91,19 +93,25 @@ class Verifier:
         await asyncio.gather(*(self._check(self._worker(e)) for e in endpoints))
 
     async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        # due whether or not the process's own splits keep waking the loop
+        next_sweep = None if self.sweep_s is None else loop.time() + self.sweep_s
         while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), self.sweep_s)
-                swept = False
-            except TimeoutError:
-                swept = True  # nothing of its own to prove: read them all anyway
+            wait = None if next_sweep is None else max(0.0, next_sweep - loop.time())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), wait)
             self._wake.clear()
             await asyncio.sleep(self.interval_s)  # let the metrics catch up, batch splits
-            due = [
+            swept = next_sweep is not None and loop.time() >= next_sweep
+            if swept and self.sweep_s is not None:
+                next_sweep = loop.time() + self.sweep_s
+            due = {
                 w
                 for w, led in self.ledgers.items()
                 if swept or led.pending_splits or led.last is None
-            ]
+            }
+            if swept:  # decode workers that joined since, too
+                due.update(self._worker(e) for e in self.decode_workers())
             await asyncio.gather(*(self._check(w) for w in due))
 
     async def _check(self, worker: str) -> None:
