@@ -245,7 +245,7 @@ class DecisionService:
             return await tok.acompletion(
                 rin.prompt_text or "", add_special_tokens=rin.add_special_tokens
             )
-        except (TypeError, ValueError) as exc:  # a chat template choking on odd messages
+        except (TypeError, ValueError, RecursionError) as exc:  # a template choking on odd messages
             raise BadRequest(f"the request cannot be tokenized: {exc}", param="messages") from None
 
     def _request_template(self, rin: RoutingInput) -> str | None:

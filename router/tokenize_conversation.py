@@ -129,7 +129,10 @@ def _content(parts: list[Any], fmt: ContentFormat, media: _Media) -> Any:
     out: list[Any] = []
     for part in parts:
         if isinstance(part, str):
-            out.append({"type": "text", "text": part} if fmt == "openai" else part)
+            if fmt == "openai":
+                out.append({"type": "text", "text": part})
+            elif part:  # vLLM keeps only parts that parsed to something: "" is dropped
+                out.append(part)
             continue
         if not isinstance(part, dict):
             raise BadRequest("a content part must be a string or an object", param="messages")
@@ -146,7 +149,10 @@ def _content(parts: list[Any], fmt: ContentFormat, media: _Media) -> Any:
         if value is None and kind in _SKIP_NONE:
             continue
         if fmt == "string":
-            out.append(_text(value))
+            # an empty text, or a tool reference without a name, parses to nothing there
+            text = "" if value is None and kind == "tool_reference" else _text(value)
+            if text:
+                out.append(text)
         elif kind == "tool_reference":
             out.append({"type": "tool_reference", "name": value})
         else:
@@ -256,7 +262,7 @@ def _arguments(arguments: Any) -> Any:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # nested past the parser's depth: bad too
             return {}
     return arguments if isinstance(arguments, dict) else {}
 

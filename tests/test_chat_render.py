@@ -411,3 +411,45 @@ def test_template_files_win_over_the_config_entry(tmp_path: Path) -> None:
     chat = [{"role": "user", "content": "x"}]
     assert local.render_chat(chat) == "file"
     assert local.render_chat(chat, extra={"tools": []}) == "tools"
+
+
+# ---- what vLLM drops before the template ----------------------------------------------
+
+
+def _text(text: str) -> dict[str, str]:
+    return {"type": "text", "text": text}
+
+
+@pytest.mark.parametrize(
+    ("content", "string", "openai_texts"),
+    [
+        ([_text(""), _text("hi")], "hi", ["", "hi"]),
+        ([_text("a"), _text(""), _text("b")], "a\nb", ["a", "", "b"]),
+        ([{"type": "refusal", "refusal": ""}, _text("x")], "x", ["", "x"]),
+        ([{"type": "tool_reference"}, _text("x")], "x", [None, "x"]),
+    ],
+    ids=["empty-first", "empty-between", "empty-refusal", "unnamed-tool-reference"],
+)
+def test_parts_that_parse_to_nothing_are_dropped_from_string_content(
+    content: list[Any], string: str, openai_texts: list[str | None]
+) -> None:
+    """vLLM keeps a part for a string template only if it parsed to something (an empty
+    text joined in would put a newline before the next); an openai template gets them all
+    (checked against vLLM 0.32's parse_chat_messages)."""
+    from router.tokenize_conversation import conversation
+
+    msgs = [{"role": "user", "content": content}]
+    (as_string,) = conversation(msgs, "string", speaks_developer=True)
+    assert as_string["content"] == string
+    (as_parts,) = conversation(msgs, "openai", speaks_developer=True)
+    assert [p.get("text", p.get("name")) for p in as_parts["content"]] == openai_texts
+
+
+def test_tool_call_arguments_nested_past_the_parsers_depth_are_an_empty_object() -> None:
+    from router.tokenize_conversation import conversation
+
+    deep = "[" * 100_000 + "]" * 100_000
+    call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": deep}}
+    msgs = [{"role": "assistant", "content": None, "tool_calls": [call]}]
+    (out,) = conversation(msgs, "string", speaks_developer=True)
+    assert out["tool_calls"][0]["function"]["arguments"] == {}

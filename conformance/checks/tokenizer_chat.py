@@ -82,6 +82,16 @@ CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
 CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("text-parts", "own", {"messages": [{"role": "user", "content": TEXT_PARTS}]}),
     (
+        "empty-parts",  # dropped before a string template, kept for an openai one
+        "own",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": ""}, FIRST, ""]}]},
+    ),
+    (
+        "empty-parts-openai",
+        "parts",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": ""}, FIRST]}]},
+    ),
+    (
         "assistant-parts",
         "own",
         {
