@@ -102,6 +102,24 @@ def test_no_verdict_to_wait_for_concludes_with_none_at_once(streams: int, rids: 
     assert got == [None] and not timers.pending
 
 
+def test_an_id_stays_distrusted_while_any_request_that_shared_it_is_live() -> None:
+    """A and B share a client-chosen id; A ends in band while B runs; C arrives with the
+    same id: B's entry must not become C's verdict (C's worker would be charged B's 502)."""
+    endings, timers, got = _endings()
+    assert endings.expect("x")  # A listens
+    assert not endings.expect("x")  # B: shared
+    endings.forget("x")  # A ended in band
+    assert not endings.expect("x")  # C: B is still live
+    endings.tell("x", UPSTREAM_BROKE)  # B's entry
+    endings.forget("x")  # B's close (not listening)
+    endings.forget("x")  # C's close (not listening)
+    assert not endings._slots
+    assert endings.expect("x")  # once none is live, the id is trusted again
+    endings.tell("x", CLIENT_GONE)
+    endings.when_known("x", got.append)
+    assert got == [CLIENT_GONE] and not endings._slots and not timers.pending
+
+
 def test_forgotten_requests_keep_nothing_and_close_concludes_the_waiting() -> None:
     endings, _, got = _endings()
     endings.expect("done")

@@ -68,9 +68,10 @@ def ending_of(entry: accesslog_pb2.HTTPAccessLogEntry) -> str | None:
 
 @dataclass
 class _Slot:
+    live: int = 1  # exchanges with a ticket open under this id, listening or not
     ending: str | None = None
     told: bool = False
-    shared: bool = False  # two live requests with this id: no verdict is trusted
+    shared: bool = False  # two live requests had this id at once: no verdict is trusted
     waiter: Conclude | None = None
     timer: Timer | None = None
 
@@ -80,8 +81,10 @@ def _call_later(delay: float, fn: Callable[[], None]) -> Timer:
 
 
 class Endings:
-    """Verdicts by request id, kept only for requests with a ticket open (bounded by the
-    requests in flight). `streams` counts the access-log streams Envoy holds open here."""
+    """Verdicts by request id, kept only while a request with that id has a ticket open
+    (bounded by the requests in flight). `streams` counts the access-log streams Envoy
+    holds open here. Every exchange that `expect`s an id ends with `forget` or (listening)
+    `when_known`: an id stays distrusted while any request that shared it is live."""
 
     def __init__(self, wait_s: float = WAIT_S, later: Later = _call_later) -> None:
         self.wait_s = wait_s
@@ -90,20 +93,26 @@ class Endings:
         self._slots: dict[str, _Slot] = {}
 
     def expect(self, rid: str) -> bool:
-        """Listen for this request's ending; False when the id is empty or already live."""
+        """A ticket started under this id; True: this exchange listens for its verdict (the
+        only one live with the id), False: it must not (empty id, or shared)."""
         if not rid:
             return False
         slot = self._slots.get(rid)
         if slot is not None:
+            slot.live += 1
             slot.shared = True
             return False
         self._slots[rid] = _Slot()
         return True
 
     def forget(self, rid: str) -> None:
-        slot = self._slots.pop(rid, None)
-        if slot is not None and slot.timer is not None:
-            slot.timer.cancel()
+        """An exchange with this id ended without needing a verdict."""
+        slot = self._slots.get(rid)
+        if slot is None:
+            return
+        slot.live -= 1
+        if slot.live <= 0 and slot.waiter is None:
+            self._drop(rid, slot)
 
     def tell(self, rid: str, ending: str | None) -> None:
         slot = self._slots.get(rid)
@@ -114,10 +123,12 @@ class Endings:
             self._conclude(rid, ending)
 
     def when_known(self, rid: str, then: Conclude) -> None:
+        """The listening exchange's stream closed: `then` gets its verdict, or None."""
         slot = self._slots.get(rid)
         if slot is None or slot.shared or slot.told or not self.streams:
+            ending = None if slot is None or slot.shared else slot.ending
             self.forget(rid)
-            then(None if slot is None or slot.shared else slot.ending)
+            then(ending)
             return
         slot.waiter = then
         slot.timer = self.later(self.wait_s, lambda: self._conclude(rid, None))
@@ -129,12 +140,23 @@ class Endings:
         self._slots.clear()
 
     def _conclude(self, rid: str, ending: str | None) -> None:
-        slot = self._slots.pop(rid, None)
+        slot = self._slots.get(rid)
         if slot is None or slot.waiter is None:
             return
+        waiter, slot.waiter = slot.waiter, None
         if slot.timer is not None:
             slot.timer.cancel()
-        slot.waiter(ending)
+            slot.timer = None
+        slot.live -= 1
+        if slot.live <= 0:
+            self._drop(rid, slot)
+        waiter(ending)
+
+    def _drop(self, rid: str, slot: _Slot) -> None:
+        if self._slots.get(rid) is slot:
+            del self._slots[rid]
+        if slot.timer is not None:
+            slot.timer.cancel()
 
 
 def log_entries(message: Any) -> list[tuple[str, str | None]]:

@@ -70,6 +70,7 @@ class Exchange:
         self.max_body_bytes = max_body_bytes
         self.endings = endings or ends.Endings()
         self.rid = ""  # Envoy's x-request-id, the access log's name for this request
+        self.expected = False  # told the endings this id is live (each such ends there)
         self.listening = False  # the endings will say how it ended
         self.body_bytes = 0
         self.duplex_request = False
@@ -184,6 +185,7 @@ class Exchange:
         self.worker = self.picked = first = decision.ranked[0].worker
         self.ticket = self.svc.start(decision, first)
         self.listening = self.endings.expect(self.rid)
+        self.expected = bool(self.rid)
         # A data-parallel rank is asked for by a header, and the same header reaches
         # whichever fallback serves: the fallbacks are the endpoints it is right for (the
         # same rank, or none), one per address (ranks of one worker share its address).
@@ -247,7 +249,7 @@ class Exchange:
         if self.ticket is None:
             return
         ticket, self.ticket = self.ticket, None
-        if self.listening:
+        if self.expected:
             self.endings.forget(self.rid)
         self.svc.finish(ticket, status=self.status, cached_tokens=cached_tokens)
 
@@ -259,8 +261,10 @@ class Exchange:
             return
         if self.listening:
             self.endings.when_known(self.rid, self._ended)
-        else:
-            self._ended(None)
+            return
+        if self.expected:
+            self.endings.forget(self.rid)
+        self._ended(None)
 
     def _ended(self, ending: str | None) -> None:
         if self.ticket is None:
