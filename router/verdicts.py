@@ -39,7 +39,7 @@ def _report(pool: WorkerPool, h: WorkerHandle, f: Feed) -> dict[str, Any]:
         "available": state.available,
         "mode_setting": h.mode_setting,
         "mode": state.mode,
-        "event_health": _event_state(h, report),
+        "event_health": _event_state(h, f, report),
         "block_size": state.block_size,
         "capacity_blocks": state.capacity_blocks,
         "cached_blocks": pool.fleet.index.entries_of(state.name),
@@ -62,9 +62,13 @@ def _report(pool: WorkerPool, h: WorkerHandle, f: Feed) -> dict[str, Any]:
     return out
 
 
-def _event_state(h: WorkerHandle, report: Any) -> str:
+def _event_state(h: WorkerHandle, f: Feed, report: Any) -> str:
     if h.mode_setting == APPROX:
         return "DISABLED"
+    if f.source is None and "events" in h.problems:
+        # nothing publishes, so nothing can arrive: the tracker, judging only requests
+        # whose events it waits for, would say OK
+        return EventHealth.NO_EVENTS.value
     return str(report.state.value) if report else "UNKNOWN"
 
 

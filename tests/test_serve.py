@@ -431,6 +431,11 @@ async def test_a_worker_restarted_without_events_is_rediscovered_and_forgotten()
         assert s.app.fleet.index.entries_of(name) == 0  # the old cache is gone with the old engine
         assert any("no KV event publisher" in p for p in report["problems"])
         assert name in health["unhealthy_workers"]
+        # and what Prometheus reads says so too (an alert on it must fire)
+        assert report["event_health"] == "NO_EVENTS"
+        page = (await s.client.get("/metrics")).text
+        line = f'kvroute_worker_event_health{{state="NO_EVENTS",worker="{name}"}} 1.0'
+        assert line in page, [ln for ln in page.splitlines() if "event_health" in ln]
 
 
 async def test_debug_log_line_shows_the_formula(caplog: pytest.LogCaptureFixture) -> None:
