@@ -106,11 +106,12 @@ class ResponseState:
     """A `send` that remembers how far the response got: whether its head went out, whether
     it is an SSE stream, whether its body ended."""
 
-    __slots__ = ("_send", "ended", "sse", "started")
+    __slots__ = ("_send", "ended", "sse", "started", "tail")
 
     def __init__(self, send: Send) -> None:
         self._send = send
         self.started = self.sse = self.ended = False
+        self.tail = b""  # the body's last bytes: whether an SSE event was left unfinished
 
     async def __call__(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -119,14 +120,25 @@ class ResponseState:
                 k.lower() == b"content-type" and v.startswith(b"text/event-stream")
                 for k, v in message.get("headers", ())
             )
-        elif not message.get("more_body", False):
-            self.ended = True
+        else:
+            body = message.get("body", b"")
+            if body:
+                self.tail = (self.tail + body)[-2:]
+            if not message.get("more_body", False):
+                self.ended = True
         await self._send(message)
 
 
-def sse_error(err: KvrouteError) -> bytes:
-    """The last events of a stream the router cut short: the error, then [DONE]."""
-    return b"data: " + _json.encode(err.body()) + b"\n\ndata: [DONE]\n\n"
+def sse_error(err: KvrouteError, tail: bytes = b"") -> bytes:
+    """The last events of a stream the router cut short: the error, then [DONE]. `tail`:
+    the stream's last bytes so far; an event they leave unfinished is ended first (blank
+    lines between events are ignored), or the error would be glued onto it."""
+    return event_break(tail) + b"data: " + _json.encode(err.body()) + b"\n\ndata: [DONE]\n\n"
+
+
+def event_break(tail: bytes) -> bytes:
+    """What ends an SSE event that the stream's last bytes (`tail`) may leave open."""
+    return b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
 
 
 async def end_with_error(response: ResponseState, err: KvrouteError) -> None:
@@ -139,7 +151,8 @@ async def end_with_error(response: ResponseState, err: KvrouteError) -> None:
         await send_error(response, err)
         return
     if response.sse:
-        await response({"type": "http.response.body", "body": sse_error(err), "more_body": True})
+        body = sse_error(err, response.tail)
+        await response({"type": "http.response.body", "body": body, "more_body": True})
     await response({"type": "http.response.body", "body": b""})
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from router.asgi import Send
+from router.asgi import Send, event_break
 from router.core.errors import UpstreamError, UpstreamTimeout
 from router.upstream import (
     Response,
@@ -193,12 +193,14 @@ class Forwarder:
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         sniffer = UsageSniffer()
         first = True
+        tail = b""  # the last bytes relayed: an event a cut leaves open is ended first
         try:
             async for chunk in response.chunks():
                 if first:
                     on_first_byte()
                     first = False
                 sniffer.feed(chunk)
+                tail = (tail + chunk)[-2:]
                 outcome.bytes_out += len(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except (UpstreamClosed, TimeoutError) as exc:
@@ -210,7 +212,7 @@ class Forwarder:
                 await send(
                     {
                         "type": "http.response.body",
-                        "body": _sse_error(outcome.broken),
+                        "body": event_break(tail) + _sse_error(outcome.broken),
                         "more_body": True,
                     }
                 )

@@ -114,3 +114,25 @@ async def test_a_stream_cut_by_the_drain_timeout_ends_with_an_error_event() -> N
     assert rest[-1] == "data: [DONE]"
     error_of(json.loads(rest[-2].removeprefix("data: ")))
     assert all(line.startswith("data: ") for line in rest)
+
+
+async def test_a_stream_cut_mid_event_ends_that_event_before_the_error() -> None:
+    """The drain cuts wherever the relay was: the error must not be glued onto an event the
+    worker had half sent, or the client's SSE parser reads neither."""
+    from router.asgi import ResponseState, end_with_error
+    from router.core.errors import ShuttingDown
+
+    sent: list[bytes] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message.get("body", b""))
+
+    response = ResponseState(send)
+    head = [(b"content-type", b"text/event-stream")]
+    await response({"type": "http.response.start", "status": 200, "headers": head})
+    await response({"type": "http.response.body", "body": b'data: {"a', "more_body": True})
+    await end_with_error(response, ShuttingDown("the router was shutting down"))
+    events = b"".join(sent).decode().split("\n\n")
+    data = [e.removeprefix("data: ") for e in events if e.strip()]
+    assert data[-1] == "[DONE]" and "shutting down" in data[-2], data
+    assert response.ended

@@ -287,3 +287,26 @@ async def test_a_retry_skips_a_runner_up_taken_out_of_rotation_since() -> None:
         app.fleet.workers[only.worker].available = True
         app.fleet.workers[only.worker].draining = True
         assert await app.proxy._next_choice(request, set()) is None
+
+
+async def test_a_stream_cut_mid_event_gets_its_error_as_an_event_of_its_own() -> None:
+    async def half_an_event(scope: Any, receive: Any, send: Any, body: bytes) -> None:
+        head = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": head})
+        part = b'data: {"choices": [{"text": "half'  # the worker stalls mid-event
+        await send({"type": "http.response.body", "body": part, "more_body": True})
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    async with (
+        fleet(inter_chunk_timeout_s=0.3) as (_app, url, worker),
+        httpx.AsyncClient(base_url=url, timeout=10) as client,
+    ):
+        worker.handlers["/v1/completions"] = half_an_event
+        payload = {"model": "m", "prompt": "hello", "stream": True}
+        async with client.stream("POST", "/v1/completions", json=payload) as resp:
+            events = (await resp.aread()).decode().split("\n\n")
+    # the cut event stays broken, but the error after it parses on its own
+    data = [e.removeprefix("data: ") for e in events if e.strip()]
+    assert data[-1] == "[DONE]", data
+    assert json.loads(data[-2])["error"]["code"] == 502, data
