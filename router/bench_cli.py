@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
     from router.bench.workload_file import FileWorkload
@@ -75,26 +76,48 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _register_pd(bsub)
 
 
+def _names(title: str, summaries: dict[str, str]) -> str:
+    return f"{title}:\n" + "".join(f"  {n:<25} {text}\n" for n, text in summaries.items())
+
+
 def _register_routing(bsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from router.bench import targets, workloads
     from router.bench.routing import ROUTER_NICE
     from router.bench.targets import TARGETS
     from router.bench.workloads import GENERATORS
+
+    epilog = "\n".join(
+        (
+            _names("routers (--routers)", targets.SUMMARIES),
+            _names("workloads (--workload)", workloads.SUMMARIES),
+            WORKLOAD_FILE_HELP,
+        )
+    )
 
     rt = bsub.add_parser(
         "routing",
         help="routing quality (engine-reported cached-token fraction, TTFT, ITL, load "
         "spread) of kvroute, the baselines and the peer routers on a simulated fleet",
-        description="Each run starts a fresh simulated fleet and one router, drives a "
-        "workload and reads the engines. Default: the seed, vllm-prefix-repetition and "
-        "sibling-burst workloads through kvroute, round_robin and the peers' cache_aware "
-        "(~15 minutes on 2 cores); --full: every workload, router and the two-replica rows. "
-        "Peers missing from the bench venv are pip-installed there first.",
-        epilog=WORKLOAD_FILE_HELP,
+        description=textwrap.fill(
+            "Each run starts a fresh simulated fleet and one router, drives a "
+            "workload and reads the engines. Default: the seed, vllm-prefix-repetition and "
+            "sibling-burst workloads through kvroute, round_robin and the peers' cache_aware "
+            "(~15 minutes on 2 cores); --full: every workload, router and the two-replica rows. "
+            "Peers missing from the bench venv ($KVROUTE_PEERS_VENV, default "
+            "~/.cache/kvroute/bench-peers) are pip-installed there first, once per invocation; "
+            "--no-install never installs. Exit status 1 when a router asked for (by --routers "
+            "or the default) was skipped or failed, after the table and JSON of the rest; "
+            "2 for options that cannot run together, before anything starts.",
+            width=88,
+        ),
+        epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     rt.add_argument("--json", type=Path, help="write the results here as JSON")
     rt.add_argument("--plot", type=Path, help="write a bar chart here (SVG)")
-    rt.add_argument("--workload", nargs="+", choices=list(GENERATORS), help="workloads to run")
+    rt.add_argument(
+        "--workload", nargs="+", choices=list(GENERATORS), metavar="NAME", help="workloads (below)"
+    )
     rt.add_argument(
         "--workload-file",
         nargs="+",
@@ -109,7 +132,9 @@ def _register_routing(bsub: argparse._SubParsersAction[argparse.ArgumentParser])
         metavar="F",
         help="write the one --workload named (run seed 0) as a workload file and exit",
     )
-    rt.add_argument("--routers", nargs="+", choices=list(TARGETS), help="routers to compare")
+    rt.add_argument(
+        "--routers", nargs="+", choices=list(TARGETS), metavar="NAME", help="routers (below)"
+    )
     rt.add_argument("--full", action="store_true", help="every workload and router, replicas")
     rt.add_argument("--runs", type=int, default=3, help="runs per cell; medians (default 3)")
     rt.add_argument(
@@ -123,13 +148,20 @@ def _register_routing(bsub: argparse._SubParsersAction[argparse.ArgumentParser])
         "--driver",
         choices=("own", "vllm"),
         default="own",
-        help="the bench's client, or vLLM's `vllm bench serve` (vllm-prefix-repetition only)",
+        help="the bench's client, or vLLM's `vllm bench serve` (vllm-prefix-repetition only, "
+        "one router URL: no --replicas, no oracle; from $KVROUTE_VLLM_VENV, built by "
+        "conformance/setup_vllm.sh)",
     )
     rt.add_argument(
         "--scale", type=float, default=1.0, help="shrink the built-in workloads (tests)"
     )
     rt.add_argument("--config", type=Path, help="kvroute.yaml for kvroute's own routers")
-    rt.add_argument("--no-install", action="store_true", help="never pip-install the peers")
+    rt.add_argument(
+        "--no-install",
+        action="store_true",
+        help="never pip-install the peers: one not in $KVROUTE_PEERS_VENV, this Python's bin "
+        "or PATH is a skipped row (and exit status 1)",
+    )
     rt.add_argument(
         "--router-nice",
         type=int,
@@ -233,12 +265,18 @@ def _extproc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _refuse(message: str) -> NoReturn:
+    """A usage error, as argparse reports one: exit status 2, nothing started."""
+    print(f"kvroute bench routing: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def _routing(args: argparse.Namespace) -> int:
-    from router.bench.routing import plan_for, run
+    from router.bench.routing import PlanError, check, missing, plan_for, run
     from router.bench.workloads import GENERATORS
 
     if args.runs < 1:
-        raise SystemExit("--runs must be >= 1")
+        _refuse("--runs must be >= 1")
     if args.write_workload is not None:
         return _write_workload(args)
     files = _workload_files(args)
@@ -258,12 +296,21 @@ def _routing(args: argparse.Namespace) -> int:
         known = {*GENERATORS, *files}
         unknown = [n for n in args.replicas if n not in known]
         if unknown:
-            raise SystemExit(
+            _refuse(
                 f"--replicas: no workload {unknown[0]!r}; the workloads: {', '.join(sorted(known))}"
             )
         plan = replace(plan, replicas=tuple(args.replicas))
-    run(plan, args.json, args.plot)
-    return 0
+    try:
+        check(plan)
+    except PlanError as exc:
+        _refuse(str(exc))
+    lost = missing(run(plan, args.json, args.plot))
+    if lost:  # after the table and the JSON of what did run
+        print(
+            f"kvroute bench routing: did not run (the table says why): {', '.join(lost)}",
+            file=sys.stderr,
+        )
+    return 1 if lost else 0
 
 
 def _workload_files(args: argparse.Namespace) -> dict[str, FileWorkload]:
@@ -272,7 +319,7 @@ def _workload_files(args: argparse.Namespace) -> dict[str, FileWorkload]:
     from router.bench.workloads import GENERATORS
 
     if args.workload_file and args.driver == "vllm":
-        raise SystemExit(
+        _refuse(
             "--driver vllm runs vLLM's prefix_repetition dataset only; "
             "a --workload-file runs with the bench's own client (leave --driver out)"
         )
@@ -296,7 +343,7 @@ def _write_workload(args: argparse.Namespace) -> int:
     from router.bench.workloads import GENERATORS, build
 
     if not args.workload or len(args.workload) != 1:
-        raise SystemExit("--write-workload writes one workload: name it with --workload NAME")
+        _refuse("--write-workload writes one workload: name it with --workload NAME")
     w = build(args.workload[0], 0, args.scale)
     dump(w, args.write_workload, taken=GENERATORS)
     print(f"wrote {args.write_workload}: {len(w.requests)} requests of {w.name}", file=sys.stderr)

@@ -235,12 +235,13 @@ def test_paired_comparison_is_run_by_run_against_each_peer() -> None:
     assert set(out) == {"kvroute vs sglang-router-cache_aware"}  # peers only, not skipped
     d = out["kvroute vs sglang-router-cache_aware"]
     assert d == {
-        "cached_diff": 0.0,
-        "cached_diff_interval": [0.0, 0.01],
+        "cached_diff": pytest.approx(0.0),
+        "cached_diff_interval": pytest.approx([0.0, 0.01]),
         "ttft_p90_diff_ms": -2.0,
         "ttft_p90_diff_interval_ms": [-2.0, 1.0],
         "interval_confidence": 0.75,
         "ttft_p90_verdict": "not told apart",  # one run of three went the other way
+        "ttft_p90_verdict_reason": "3 runs: 75%; 5 give 94%",
         "ttft_p90_lower_runs": 2,
         "runs": 3,
     }
@@ -249,12 +250,14 @@ def test_paired_comparison_is_run_by_run_against_each_peer() -> None:
 def test_the_paired_interval_is_the_sign_tests_and_tells_a_difference_from_noise(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    from router.bench.paired import median_interval
+
     # ten runs: the interval drops the lowest and highest difference (97.9%: 1 - 2 * 11/1024)
-    lo, hi, confidence = routing.median_interval([5, -9, 1, 2, 3, 4, 6, 7, 8, 30])
+    lo, hi, confidence = median_interval([5, -9, 1, 2, 3, 4, 6, 7, 8, 30])
     assert (lo, hi) == (1, 8)
     assert confidence == pytest.approx(1 - 2 * 11 / 1024)
     # thirteen: dropping three from each end still holds 90.8%, four would not
-    assert routing.median_interval(list(range(13)))[:2] == (3, 9)
+    assert median_interval(list(range(13)))[:2] == (3, 9)
 
     def row(p90s: list[float]) -> dict[str, object]:
         return {"ttft_p90_ms_runs": p90s, "cached_fraction_runs": [0.8] * len(p90s)}
@@ -282,6 +285,153 @@ def test_the_paired_interval_is_the_sign_tests_and_tells_a_difference_from_noise
     assert (
         "TTFT p90 +5.5 ms (+2.0 to +9.0: higher; lower in 0 of 10 runs)" in capsys.readouterr().out
     )
+
+
+@pytest.mark.parametrize(
+    ("runs", "verdict"),
+    [
+        (1, "not told apart (1 run: 0%; 5 give 94%)"),
+        (3, "not told apart (3 runs: 75%; 5 give 94%)"),
+        (4, "not told apart (4 runs: 88%; 5 give 94%)"),
+        (5, "lower"),
+    ],
+    ids=["one-run", "three-runs", "four-runs", "five-runs"],
+)
+def test_a_p90_verdict_needs_90_percent_confidence(
+    runs: int, verdict: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every run lower: one run's interval is that run (0%), three runs' their range (75%);
+    a verdict said "lower" at any confidence. Five runs reach 94%."""
+
+    def row(p90: float) -> dict[str, object]:
+        return {"ttft_p90_ms_runs": [p90] * runs, "cached_fraction_runs": [0.8] * runs}
+
+    routers = {"kvroute": row(90.0), "sglang-router-cache_aware": row(100.0)}
+    pairs = routing.paired(routers, with_config(None))
+    d = pairs["kvroute vs sglang-router-cache_aware"]
+    assert d["ttft_p90_verdict"] == verdict.split(" (")[0]
+    assert d.get("ttft_p90_verdict_reason", "") == verdict.partition(" (")[2].rstrip(")")
+    routing.print_table(
+        {"workloads": {"w": {"ideal": 0.8, "routers": {}, "paired": pairs}}, "replicas": {}}
+    )
+    assert f"(-10.0 to -10.0: {verdict}; lower in {runs} of {runs} runs)" in capsys.readouterr().out
+
+
+def _bench(*argv: str) -> int:
+    """`kvroute bench routing ARGV` in this process (no SIGTERM handler installed)."""
+    import argparse
+
+    from router import bench_cli
+
+    parser = argparse.ArgumentParser(prog="kvroute")
+    bench_cli.register(parser.add_subparsers())
+    args = parser.parse_args(["bench", "routing", *argv])
+    code: int = args.func(args)
+    return code
+
+
+def _fake_run(
+    plan: routing.Plan, w: object, seed: int, router: str, t: object
+) -> dict[str, object]:
+    return {
+        "cached_fraction": 0.82449,  # the per-run line prints 0.824
+        "ttft_ms": {"p50": 1.0, "p90": 2.0 + seed, "p99": 3.0, "mean": 1.5},
+        "itl_ms_p90": 1.0,
+        "requests_per_worker": [1, 1],
+        "max_min_load": 1.0,
+        "prefill_tokens_per_worker": [10, 10],
+        "max_min_prefill": 1.0,
+        "errors": 0,
+    }
+
+
+def test_a_router_that_did_not_run_fails_the_command_after_the_table(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A peer that is not installed (here --no-install) is a row that names the remedy; the
+    table and JSON still hold the routers that ran, and the exit status says one did not."""
+    from router.bench import peers
+
+    monkeypatch.setattr(routing, "_logged_run", _fake_run)
+    monkeypatch.setattr(peers, "peer_bin", lambda name: None)
+    out = tmp_path / "r.json"
+    code = _bench(
+        "--workload", "seed", "--scale", "0.1", "--runs", "1", "--no-install", "--json", str(out),
+        "--routers", "kvroute", "sglang-router-cache_aware",
+    )  # fmt: skip
+    assert code == 1
+    rows = json.loads(out.read_text())["workloads"]["seed"]["routers"]
+    assert rows["kvroute"]["runs"] == 1
+    skipped = rows["sglang-router-cache_aware"]["skipped"]
+    assert "pip install sglang-router==0.3.2" in skipped and "--routers" in skipped, skipped
+    printed = capsys.readouterr()
+    assert "sglang-router-cache_aware   skipped: sglang-router not installed" in printed.out
+    assert "did not run (the table says why): seed / sglang-router-cache_aware" in printed.err
+
+
+def test_a_figure_is_rounded_once_from_the_measured_value(tmp_path: Path) -> None:
+    """The per-run line said cached 0.824 and the table 0.825: the median was rounded to 4
+    digits, then printed to 3. The table prints the measured value, the JSON rounds it."""
+    row = routing.summarize([_fake_run(routing.Plan([], [], ()), None, 0, "kvroute", None)])
+    assert routing._line("kvroute", row).split()[1] == f"{0.82449:.3f}" == "0.824"
+    report = {"workloads": {"w": {"ideal": 0.81234567, "routers": {"kvroute": row}}}}
+    routing._write({**report, "replicas": {}}, tmp_path / "r.json", None)
+    doc = json.loads((tmp_path / "r.json").read_text())["workloads"]["w"]
+    assert doc["ideal"] == 0.8123 and doc["routers"]["kvroute"]["cached_fraction"] == 0.8245
+    assert doc["routers"]["kvroute"]["cached_fraction_runs"] == [0.8245]
+
+
+def test_routing_help_says_what_each_router_and_workload_is_and_how_peers_install(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        _bench("--help")
+    text = capsys.readouterr().out
+    assert "KVROUTE_PEERS_VENV" in text and "--no-install" in text
+    lines = text.splitlines()
+    for name in [*with_config(None), *workloads.GENERATORS]:
+        described = [x for x in lines if x.split()[:1] == [name] and len(x.split()) > 3]
+        assert described, f"--help does not say what {name} is"
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--workload", "seed"], "--driver vllm runs vllm-prefix-repetition only"),
+        (["--replicas", "vllm-prefix-repetition"], "the two-replica row would be one replica"),
+        (["--routers", "oracle"], "--routers oracle with --driver vllm"),
+        (["--workload", "vllm-prefix-repetition"], "no vLLM venv at"),
+    ],
+    ids=["other-workload", "replicas", "oracle", "no-venv"],
+)
+def test_driver_vllm_refuses_what_it_cannot_run_before_a_fleet_starts(
+    argv: list[str],
+    expected: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from router.bench import vllm_driver
+
+    def no_fleet(*a: object, **kw: object) -> None:
+        raise AssertionError("a fleet started")
+
+    monkeypatch.setattr(routing, "start_fleet_process", no_fleet)
+    if expected != "no vLLM venv at":
+        (tmp_path / ".kvroute-ready").touch()
+    monkeypatch.setattr(vllm_driver, "VLLM_VENV", tmp_path)
+    if "--routers" not in argv:
+        argv = [*argv, "--routers", "kvroute"]
+    with pytest.raises(SystemExit) as exit_:
+        _bench("--driver", "vllm", "--no-install", *argv)
+    assert exit_.value.code == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_full_with_driver_vllm_plans_no_oracle() -> None:
+    plan = routing.plan_for(None, None, True, driver="vllm")
+    assert "oracle" not in plan.routers and "kvroute" in plan.routers
+    routing.check(plan, vllm_ready=lambda: True)
 
 
 def test_routers_take_turns_run_by_run_and_a_failing_one_is_a_row(
@@ -428,3 +578,81 @@ def test_router_nice_lowers_every_router_thread_and_leaves_the_engines_alone() -
         assert nices == {want}, (cmd, nices)
     for cmd, nices in engines.items():
         assert nices == {own}, (cmd, nices)
+
+
+def test_a_failed_peer_install_names_the_remedy_and_is_tried_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """No network: pip's retries and its bare error were all a user saw, and every call
+    tried again. Now pip's last error, then what to do; no second try in this process."""
+    from router.bench import peers
+
+    calls: list[list[str]] = []
+
+    def pip(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+        calls.append(cmd)
+        if cmd[0].endswith("pip"):
+            err = "WARNING: Retrying (total=0)\nERROR: No matching distribution found for x"
+            raise subprocess.CalledProcessError(1, cmd, stderr=err)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(peers, "PEERS_VENV", tmp_path / "peers")
+    monkeypatch.setattr(peers, "_TRIED", set(), raising=False)
+    monkeypatch.setattr(peers, "peer_bin", lambda name: None)
+    monkeypatch.setattr(peers.subprocess, "run", pip)
+    assert peers.ensure_peers(["sglang-router"]) == {"sglang-router": None}
+    assert peers.ensure_peers(["sglang-router"]) == {"sglang-router": None}
+    assert [c[0].endswith("pip") for c in calls] == [False, True]  # the venv, then pip, once
+    err = capsys.readouterr().err
+    assert "(once)" not in err
+    assert "No matching distribution found for x (pip could not reach its index)" in err
+    for remedy in ("network", "pip install sglang-router==0.3.2", "on PATH", "--routers"):
+        assert remedy in err, (remedy, err)
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--workload", "nope"], "argument --workload: invalid choice: 'nope'"),
+        (["--router", "nope"], "argument --router: invalid choice: 'nope'"),
+        (["--router", "oracle"], "argument --router: invalid choice: 'oracle'"),
+        (["--runs", "0"], "argument --runs: '0': a whole number of runs, at least 1"),
+        (["--scale", "0"], "argument --scale: '0': a fraction in (0, 1]"),
+        (["--router", "sglang-router-cache_aware"], "pip install sglang-router==0.3.2"),
+    ],
+    ids=["workload", "router", "oracle", "runs", "scale", "peer-not-installed"],
+)
+def test_the_diagnosis_refuses_bad_options_before_starting(
+    argv: list[str],
+    expected: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A KeyError traceback (--workload, --router) or a StatisticsError (--runs 0) was the
+    answer; now argparse's error naming the option, exit status 2, no fleet."""
+    from router.bench import peers, routing_diag
+
+    def no_fleet(*a: object, **kw: object) -> None:
+        raise AssertionError("a fleet started")
+
+    monkeypatch.setattr(routing_diag, "start_fleet_process", no_fleet)
+    monkeypatch.setattr(peers, "peer_bin", lambda name: None)
+    monkeypatch.setattr(sys, "argv", ["routing_diag", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        routing_diag.main()
+    assert exit_.value.code == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_the_diagnosis_help_says_what_each_option_is(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from router.bench import routing_diag
+
+    monkeypatch.setattr(sys, "argv", ["routing_diag", "--help"])
+    with pytest.raises(SystemExit):
+        routing_diag.main()
+    text = capsys.readouterr().out
+    for said in ("a built-in workload: seed,", "the router to diagnose", "runs on seeds"):
+        assert said in " ".join(text.split()), said
+    assert "kvroute.yaml" in text and "shrink the built-in workload" in text

@@ -126,6 +126,20 @@ def test_a_bad_file_is_refused_naming_its_line_and_the_fix(
     assert str(err.value).startswith(str(path)) and expected in str(err.value)
 
 
+def test_the_oracle_spreads_a_repeated_text_as_the_ideal_does(tmp_path: Path) -> None:
+    """One text asked four times in a group the ideal spreads over two workers: the oracle
+    row keyed its placement by the text and sent every copy to one worker."""
+    header = {"workload": "rep", "workers": 2, "replicas": {"g": 2}, "shuffle": False}
+    path = write(
+        tmp_path / "rep.jsonl", [header, *[{"prompt": "Same question?", "group": "g"}] * 4]
+    )
+    w = load(path).build(0)
+    order = ideal.replay_order(w)
+    expected = ideal.placement(w, {"Same question?": 4}, order)
+    route = ideal.oracle_route(w)
+    assert [route(r) for r in w.requests] == expected == [0, 1, 0, 1]
+
+
 def kvroute(*args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "router.cli", "bench", "routing", *args]
@@ -140,7 +154,7 @@ def test_the_command_refuses_a_bad_file_and_a_taken_name_before_starting(tmp_pat
     out = kvroute("--workload-file", str(taken), "--no-install")
     assert out.returncode != 0 and "'seed', which is already taken" in out.stderr
     out = kvroute("--workload", "seed", "--replicas", "nope", "--no-install")
-    assert out.returncode != 0 and "--replicas: no workload 'nope'" in out.stderr
+    assert out.returncode == 2 and "--replicas: no workload 'nope'" in out.stderr
 
 
 @pytest.mark.slow

@@ -1,15 +1,21 @@
 """The capacity-aware ideal of a workload: the cached-token fraction a router with perfect
-affinity would get from engines with these caches.
+affinity would get from engines with these caches, replayed in a simplified order. It is a
+reference, not a bound: measured placements can do a little better (on hot-prefix the
+engines' own order and batching do) or worse (blocks that running requests hold).
 
 Placement: each group (shared prefix, conversation) lives on one worker, groups spread so
 every worker gets about the same prompt tokens (largest first); a group the workload marks
-for `replicas` workers alternates over that many. Caches: per worker an LRU of
-`kv_blocks - 1` blocks (vLLM's null block excluded), keyed by the real chained token blocks;
-a request hits its leading blocks present (capped below its last token, as vLLM serves),
-then touches its blocks tail first so the head is the last to go, as vLLM frees them.
-Requests are replayed in the order the driver starts them, `concurrency` chains
-interleaved turn by turn. Blocks held by running requests and generated tokens are left out,
-so this is an upper bound.
+for `replicas` workers alternates over that many, request by request. Caches: per worker an
+LRU of `kv_blocks - 1` blocks (vLLM's null block excluded), keyed by the real chained token
+blocks; a request hits its leading blocks present (capped below its last token, as vLLM
+serves), then touches its blocks tail first so the head is the last to go, as vLLM frees them.
+
+Order (`replay_order`): wave by wave, the chains in fixed batches of `concurrency`, each
+batch interleaved turn by turn (every chain's first request, then every second one, ...)
+and finished before the next batch starts. The driver instead keeps `concurrency` chains in
+flight and starts the next chain as soon as any one ends, so its order differs where chains
+differ in length or speed. Requests are replayed one at a time: blocks held by running
+requests and generated tokens are left out.
 """
 
 from __future__ import annotations
@@ -39,12 +45,24 @@ def ideal_fraction(w: Workload, tok: LocalTokenizer | None = None) -> float:
 
 def oracle_route(w: Workload, tok: LocalTokenizer | None = None) -> Callable[[Request], int]:
     """The ideal's placement as a router: request -> worker index (the `oracle` row sends
-    each request straight to that worker)."""
+    each request straight to that worker). Keyed by the text and how many times it was asked
+    before: a text a workload file repeats in a group spread over replicas alternates as
+    the ideal's copies do, where a key of the text alone sent every copy to one worker."""
     tok = tok or LocalTokenizer(PACKAGED_TOKENIZER)
     order = replay_order(w)
     place = placement(w, {r.prompt: len(tok.completion(r.prompt)) for r in order}, order)
-    by_prompt = {r.prompt: place[i] for i, r in enumerate(order)}
-    return lambda r: by_prompt[r.prompt]
+    homes: dict[str, list[int]] = {}
+    for i, r in enumerate(order):
+        homes.setdefault(r.prompt, []).append(place[i])
+    asked: dict[str, int] = {}
+
+    def route(r: Request) -> int:
+        n = asked.get(r.prompt, 0)
+        asked[r.prompt] = n + 1
+        copies = homes[r.prompt]
+        return copies[n % len(copies)]
+
+    return route
 
 
 def replay_order(w: Workload) -> list[Request]:

@@ -3,8 +3,8 @@ Rust, from PyPI), launched on loopback in front of the same workers.
 
 They live in their own virtualenv outside the tree (`~/.cache/kvroute/bench-peers`, or
 `$KVROUTE_PEERS_VENV`), created and filled by `ensure_peers()` the first time a benchmark
-needs them, so one command gives the whole table. Versions are pinned to the ones
-DESIGN.md's figures were measured with.
+needs them (tried once per invocation; a failure says what to do), so one command gives
+the whole table. Versions are pinned to the ones DESIGN.md's figures were measured with.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from router.procs import free_port
 
 PEERS_VENV = Path(os.environ.get("KVROUTE_PEERS_VENV", Path.home() / ".cache/kvroute/bench-peers"))
 PEER_PACKAGES = {"sglang-router": "sglang-router==0.3.2", "vllm-router": "vllm-router==0.1.17"}
+_TRIED: set[str] = set()  # peers this process already tried to install
 
 
 def peer_bin(name: str) -> str | None:
@@ -40,22 +41,46 @@ def peer_bin(name: str) -> str | None:
 
 def ensure_peers(names: Sequence[str], install: bool = True) -> dict[str, str | None]:
     """Binary per peer; missing ones are pip-installed into PEERS_VENV first (and we say
-    so). A failed install leaves that peer None: the bench reports it as skipped."""
-    missing = [n for n in names if peer_bin(n) is None]
+    so), at most once per process: a failed install is not retried by a later call. A
+    peer still missing is None, which the bench reports as a skipped row with `remedy()`."""
+    missing = [n for n in names if peer_bin(n) is None and n not in _TRIED]
     if missing and install:
+        _TRIED.update(missing)
         _install([PEER_PACKAGES[n] for n in missing])
     return {n: peer_bin(n) for n in names}
 
 
+def remedy(name: str) -> str:
+    """What a user can do about a peer that is not installed (no network, --no-install)."""
+    return (
+        f"check the network and the proxy pip uses (PIP_INDEX_URL, HTTPS_PROXY) and rerun; "
+        f"or `pip install {PEER_PACKAGES[name]}` into $KVROUTE_PEERS_VENV ({PEERS_VENV}); "
+        f"or put {name} on PATH; or leave its routers out of --routers"
+    )
+
+
 def _install(specs: list[str]) -> None:
-    print(f"installing {' '.join(specs)} into {PEERS_VENV} (once)", file=sys.stderr, flush=True)
+    print(f"installing {' '.join(specs)} into {PEERS_VENV}", file=sys.stderr, flush=True)
     try:
         if not (PEERS_VENV / "bin" / "pip").exists():
-            subprocess.run([sys.executable, "-m", "venv", str(PEERS_VENV)], check=True)
+            venv = [sys.executable, "-m", "venv", str(PEERS_VENV)]
+            subprocess.run(venv, check=True, capture_output=True, text=True)
         pip = [str(PEERS_VENV / "bin" / "pip"), "install", "-q", *specs]
-        subprocess.run(pip, check=True, timeout=900)
+        subprocess.run(pip, check=True, capture_output=True, text=True, timeout=900)
     except (subprocess.SubprocessError, OSError) as exc:
-        print(f"could not install {specs}: {exc}; those peers are skipped", file=sys.stderr)
+        print(f"could not install {' '.join(specs)}: {_why(exc)}", file=sys.stderr)
+        names = [n for n, spec in PEER_PACKAGES.items() if spec in specs]
+        for name in names:
+            print(f"  {name} is skipped: {remedy(name)}", file=sys.stderr)
+
+
+def _why(exc: BaseException) -> str:
+    """pip's own last error line, and whether it could not reach its index (its retries'
+    warnings, which say so, come long before it)."""
+    out = str(getattr(exc, "stderr", None) or "")
+    errors = [x for x in out.splitlines() if x.startswith("ERROR:")]
+    why = errors[-1].removeprefix("ERROR: ") if errors else str(exc)
+    return f"{why} (pip could not reach its index)" if "Retrying" in out else why
 
 
 def peer_args(port: int, workers: Sequence[str], policy: str = "cache_aware") -> list[str]:

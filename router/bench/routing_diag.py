@@ -3,7 +3,7 @@ requests went, what the router predicted versus what the engines served, and wha
 engines really hold at the end (their `POST /sim/cached_tokens` ground truth).
 
     python -m router.bench.routing_diag --workload vllm-prefix-repetition --runs 3 \\
-        [--config kvroute.yaml] [--router kvroute|kvroute-approx|round_robin|...]
+        [--config kvroute.yaml] [--router kvroute|kvroute-approx|round_robin|...] [--scale F]
 
 Prints per run: cached fraction and the ideal; groups homed per worker (the worker of a
 group's first request) and how many groups were split over several workers; the router's
@@ -27,41 +27,97 @@ from typing import Any
 import httpx
 
 from engines.sim.fleet import start_fleet_process
-from router.bench import driver
+from router.bench import driver, peers
 from router.bench.driver import DriveResult, Sample, drive
 from router.bench.ideal import ideal_fraction
 from router.bench.routing import fleet_args, pct
-from router.bench.targets import replicas_target, with_config
+from router.bench.targets import TARGETS, Target, replicas_target, with_config
 from router.bench.workload_file import WorkloadFileError, load
-from router.bench.workloads import Request, Workload, build
+from router.bench.workloads import GENERATORS, Request, Workload, build
 
 DECISIONS: list[tuple[Request, dict[str, Any], Sample]] = []
 BELIEF: collections.Counter[str] = collections.Counter()
 
 
-def main() -> None:
+def _at_least_one(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a whole number of runs, at least 1")
+    return int(text)
+
+
+def _scale(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        x = 0.0
+    if not 0 < x <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a fraction in (0, 1] of the sizes")
+    return x
+
+
+# the routers it can diagnose: every bench router but the oracle (no router to explain)
+ROUTERS = [n for n, t in TARGETS.items() if not t.oracle] + ["kvroute-replicas"]
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", default="vllm-prefix-repetition")
-    p.add_argument("--workload-file", type=Path, help="a workload file instead (see bench routing)")
-    p.add_argument("--router", default="kvroute")
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--config", type=Path)
-    p.add_argument("--scale", type=float, default=1.0)
+    p.add_argument(
+        "--workload",
+        default="vllm-prefix-repetition",
+        choices=list(GENERATORS),
+        metavar="NAME",
+        help="a built-in workload: %(choices)s (`kvroute bench routing --help` says what "
+        "each is; default %(default)s)",
+    )
+    p.add_argument(
+        "--workload-file",
+        type=Path,
+        metavar="F",
+        help="a workload file instead (`kvroute bench routing --help` has the format)",
+    )
+    p.add_argument(
+        "--router",
+        default="kvroute",
+        choices=ROUTERS,
+        metavar="ROUTER",
+        help="the router to diagnose: %(choices)s (default %(default)s; kvroute-replicas: "
+        "two, the client alternating); a peer must be installed (`kvroute bench routing` "
+        "installs them)",
+    )
+    p.add_argument(
+        "--runs",
+        type=_at_least_one,
+        default=3,
+        metavar="N",
+        help="runs on seeds 0..N-1, each on a fresh fleet; prints their median (default 3)",
+    )
+    p.add_argument(
+        "--config", type=Path, metavar="FILE", help="kvroute.yaml for kvroute's own routers"
+    )
+    p.add_argument(
+        "--scale",
+        type=_scale,
+        default=1.0,
+        metavar="F",
+        help="shrink the built-in workload's counts and lengths, (0, 1] (default 1)",
+    )
     p.add_argument(
         "--explain",
         action="store_true",
         help="ask /debug/route before each request and analyse the requests that left "
         "their group's first worker (kvroute only; shifts timing slightly)",
     )
-    args = p.parse_args()
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser()
+    args = p.parse_args(argv)
+    target = _target(p, args.router, args.config)
     if args.explain:
         # /debug/route wants the admin token; the routers started here inherit it
         os.environ.setdefault("KVROUTE_ADMIN_TOKEN", "routing-diag")
         driver.one = _explained(driver.one)
-    if args.router == "kvroute-replicas":
-        target = replicas_target(args.config)
-    else:
-        target = with_config(args.config)[args.router]
     fractions = []
     try:
         mine = load(args.workload_file) if args.workload_file else None
@@ -71,6 +127,16 @@ def main() -> None:
         w = mine.build(seed) if mine else build(args.workload, seed, args.scale)
         fractions.append(diagnose(w, target, seed))
     print(f"median cached fraction {statistics.median(fractions):.4f} over {fractions}")
+
+
+def _target(p: argparse.ArgumentParser, router: str, config: Path | None) -> Target:
+    """The router's target; a peer that is not installed is refused before anything starts."""
+    if router == "kvroute-replicas":
+        return replicas_target(config)
+    target = with_config(config)[router]
+    if target.peer is not None and peers.peer_bin(target.peer) is None:
+        p.error(f"--router {router}: {target.peer} is not installed: {peers.remedy(target.peer)}")
+    return target
 
 
 def diagnose(w: Workload, target: Any, seed: int) -> float:

