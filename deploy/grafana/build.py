@@ -32,6 +32,21 @@ def rate(metric: str, by: str, sel: str = SEL) -> str:
     return f"sum by ({by}) (rate({metric}{{{sel}}}[{RATE}]))"
 
 
+def fleet_rate(metric: str, by: str, sel: str = W) -> str:
+    """A per-worker counter every replica keeps alike (each consumes every worker's events):
+    the highest replica's rate, never N replicas times it; summed over the workers when `by`
+    does not keep them apart."""
+    if "worker" in by.split(", "):
+        return f"max by ({by}) (rate({metric}{{{sel}}}[{RATE}]))"
+    return f"sum by ({by}) (max by (worker, {by}) (rate({metric}{{{sel}}}[{RATE}])))"
+
+
+def fleet_gauge(metric: str, by: str, sel: str = W) -> str:
+    """Workers per `by` value of a 0/1 gauge that every replica reports alike: the highest
+    replica's value per worker, summed over the workers."""
+    return f"sum by ({by}) (max by (worker, {by}) ({metric}{{{sel}}}))"
+
+
 def quantiles(metric: str, sel: str) -> list[dict[str, str]]:
     """p50 / p90 / p99 of a histogram."""
     return [
@@ -175,19 +190,20 @@ def events() -> list[Panel]:
     return [
         series(
             "Workers in rotation",
-            [q(f"sum by (worker) (kvroute_worker_available{{{W}}})", "{{worker}}")],
+            [q(f"max by (worker) (kvroute_worker_available{{{W}}})", "{{worker}}")],
             "short",
-            "1 while the worker passes health checks",
+            "1 while the worker passes health checks (on any replica: each checks on its own)",
         ),
         series(
             "Event health",
-            [q(f"sum by (state) (kvroute_worker_event_health{{{W}}})", "{{state}}")],
+            [q(fleet_gauge("kvroute_worker_event_health", "state"), "{{state}}")],
             "short",
-            "Workers per state: OK, NO_EVENTS, STALE, RESYNCING, DISABLED",
+            "Workers per state: OK, NO_EVENTS, STALE, RESYNCING, DISABLED (a worker counts in "
+            "a state when any replica sees it there)",
         ),
         series(
             "Routing mode",
-            [q(f"sum by (mode) (kvroute_worker_mode{{{W}}})", "{{mode}}")],
+            [q(fleet_gauge("kvroute_worker_mode", "mode"), "{{mode}}")],
             "short",
             "Workers routed from their KV events (events) or approximately (approx)",
         ),
@@ -199,17 +215,20 @@ def events() -> list[Panel]:
         ),
         series(
             "KV events applied",
-            [q(rate("kvroute_kv_events_total", "type", W))],
+            [q(fleet_rate("kvroute_kv_events_total", "type"))],
             "ops",
         ),
         series(
             "Event stream accidents",
-            [q(f"sum(rate(kvroute_kv_{a}_total{{{W}}}[{RATE}]))", a) for a in accidents],
+            [
+                q(f"sum(max by (worker) (rate(kvroute_kv_{a}_total{{{W}}}[{RATE}])))", a)
+                for a in accidents
+            ],
             "ops",
         ),
         series(
             "Malformed batches",
-            [q(rate("kvroute_kv_malformed_total", "worker, reason", W))],
+            [q(fleet_rate("kvroute_kv_malformed_total", "worker, reason"))],
             "ops",
         ),
     ]
@@ -219,18 +238,19 @@ def index_and_failures() -> list[Panel]:
     return [
         series(
             "Index blocks by worker",
-            [q(f"sum by (worker) (kvroute_index_blocks{{{W}}})", "{{worker}}")],
+            [q(f"max by (worker) (kvroute_index_blocks{{{W}}})", "{{worker}}")],
             "short",
+            "Each replica holds the whole index: the highest replica's count",
         ),
         series(
             "Index evictions",
-            [q(rate("kvroute_index_evicted_total", "worker, cause", W))],
+            [q(fleet_rate("kvroute_index_evicted_total", "worker, cause"))],
             "ops",
             "Entries dropped at a worker's cap (num_gpu_blocks x index_cap_margin)",
         ),
         series(
             "Blocks stored again after eviction",
-            [q(rate("kvroute_kv_refetched_blocks_total", "worker", W))],
+            [q(fleet_rate("kvroute_kv_refetched_blocks_total", "worker"))],
             "ops",
             "GPU blocks a worker prefilled again soon after evicting them: its KV cache is "
             "too small for the prefixes routed to it",
@@ -261,8 +281,10 @@ def index_and_failures() -> list[Panel]:
             "Peer replicas heard",
             [q(f"kvroute_peer_replicas{{{SEL}}}", "{{instance}}")],
             "short",
-            "Other replicas whose in-flight load each replica counts: below replicas - 1, "
-            "a peer link is down (check --peer / --peers-dns and port 5570)",
+            "Other router processes whose in-flight load each replica counts (its --processes "
+            "siblings and every process of the other replicas; with --processes the fewest any "
+            "of its processes hears): below replicas x processes - 1, a peer link is down "
+            "(check --peer / --peers-dns and port 5570)",
         ),
         series(
             "Shed (429)",

@@ -27,6 +27,9 @@ What it wires, and why:
 - Workers that join later: a hostname worker (a headless Service) makes the cluster
   STRICT_DNS, re-resolved every 5 s; with `eds_path` the cluster reads its members from a
   file Envoy watches (rewrite it with `write_eds`, atomically) -- no restart either way.
+- `stats_port`: a listener that serves Envoy's `/stats/prometheus` and nothing else of the
+  admin (which stays on loopback: it can drain or stop Envoy), so Prometheus sees what the
+  picker cannot report itself, e.g. requests that failed open past a dead picker.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ from router.core.errors import ConfigError, PayloadTooLarge
 
 WORKERS = "kvroute_workers"
 PICKER = "kvroute_picker"
+ADMIN = "envoy_admin"
+STATS = "envoy_stats"
+STATS_PATH = "/stats/prometheus"
 DEST = "x-gateway-destination-endpoint"
 SERVED = "x-gateway-destination-endpoint-served"
 CLIENT_ROUTING_HEADERS = (DEST, "x-gateway-destination-endpoint-subset", SERVED)
@@ -53,6 +59,7 @@ PICKER_HEALTH_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 # Envoy's response code details for its own 413, a request body over the buffer limit
 ENVOY_BODY_TOO_LARGE = "request_payload_too_large"
 T = "type.googleapis.com/"
+HCM = T + "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,8 @@ class GatewayConfig:
     eds_path: Path | None = None
     # more picker replicas behind the same cluster (each request's stream goes to one)
     more_pickers: tuple[Endpoint, ...] = ()
+    # a listener on listen_host:stats_port serving only the admin's /stats/prometheus
+    stats_port: int | None = None
 
     def validate(self) -> GatewayConfig:
         if self.body_mode not in ("buffered", "full-duplex"):
@@ -121,18 +130,26 @@ class GatewayConfig:
             )
         if not self.workers and self.eds_path is None:
             raise ConfigError("give at least one --worker (or --eds-file)")
+        if self.stats_port is not None and self.admin_port is None:
+            raise ConfigError(
+                "--stats-port serves the admin's /stats/prometheus: give --admin-port"
+            )
+        if self.stats_port is not None and self.stats_port in (self.listen_port, self.admin_port):
+            raise ConfigError(f"--stats-port {self.stats_port}: already the listen or admin port")
         return self
 
 
 def bootstrap(cfg: GatewayConfig) -> dict[str, Any]:
     cfg.validate()
+    listeners, clusters = [_listener(cfg)], [_workers_cluster(cfg)]
+    if cfg.ext_proc is not None:
+        clusters.append(_picker_cluster(cfg, cfg.ext_proc))
+    if cfg.stats_port is not None and cfg.admin_port is not None:
+        listeners.append(_stats_listener(cfg.listen_host, cfg.stats_port))
+        clusters.append(_admin_cluster(cfg.admin_port))
     doc: dict[str, Any] = {
         "node": {"id": "kvroute-gateway", "cluster": "kvroute"},
-        "static_resources": {
-            "listeners": [_listener(cfg)],
-            "clusters": [_workers_cluster(cfg)]
-            + ([_picker_cluster(cfg, cfg.ext_proc)] if cfg.ext_proc is not None else []),
-        },
+        "static_resources": {"listeners": listeners, "clusters": clusters},
     }
     if cfg.admin_port is not None:
         doc["admin"] = {"address": Endpoint("127.0.0.1", cfg.admin_port).address()}
@@ -145,8 +162,7 @@ def render(cfg: GatewayConfig) -> str:
 
 def _listener(cfg: GatewayConfig) -> dict[str, Any]:
     hcm = {
-        "@type": T + "envoy.extensions.filters.network.http_connection_manager.v3."
-        "HttpConnectionManager",
+        "@type": HCM,
         "stat_prefix": "kvroute",
         "codec_type": "AUTO",
         "stream_idle_timeout": f"{cfg.stream_idle_timeout_s}s",
@@ -160,17 +176,47 @@ def _listener(cfg: GatewayConfig) -> dict[str, Any]:
             _router_filter(),
         ],
     }
+    at = Endpoint(cfg.listen_host, cfg.listen_port)
+    return _http_listener("kvroute_gateway", at, hcm, cfg.max_body_bytes)
+
+
+def _http_listener(
+    name: str, at: Endpoint, hcm: dict[str, Any], buffer_limit: int | None = None
+) -> dict[str, Any]:
+    limit = {} if buffer_limit is None else {"per_connection_buffer_limit_bytes": buffer_limit}
+    manager = {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
     return {
-        "name": "kvroute_gateway",
-        "address": Endpoint(cfg.listen_host, cfg.listen_port).address(),
-        "per_connection_buffer_limit_bytes": cfg.max_body_bytes,
-        "filter_chains": [
-            {
-                "filters": [
-                    {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
-                ]
-            }
-        ],
+        "name": name,
+        "address": at.address(),
+        **limit,
+        "filter_chains": [{"filters": [manager]}],
+    }
+
+
+def _stats_listener(host: str, port: int) -> dict[str, Any]:
+    """GET /stats/prometheus, proxied to the admin; any other path or method is a 404, so
+    the admin's /quitquitquit, /drain_listeners and /config_dump stay on loopback."""
+    get = [{"name": ":method", "string_match": {"exact": "GET"}}]
+    route = {"match": {"path": STATS_PATH, "headers": get}, "route": {"cluster": ADMIN}}
+    hcm = {
+        "@type": HCM,
+        "stat_prefix": STATS,
+        "codec_type": "AUTO",
+        "route_config": {
+            "name": STATS,
+            "virtual_hosts": [{"name": STATS, "domains": ["*"], "routes": [route]}],
+        },
+        "http_filters": [_router_filter()],
+    }
+    return _http_listener(STATS, Endpoint(host, port), hcm)
+
+
+def _admin_cluster(admin_port: int) -> dict[str, Any]:
+    return {
+        "name": ADMIN,
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "load_assignment": load_assignment(ADMIN, (Endpoint("127.0.0.1", admin_port),)),
     }
 
 

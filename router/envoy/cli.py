@@ -57,6 +57,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--admin-port", type=int, metavar="A", help="Envoy admin on 127.0.0.1:A")
     p.add_argument(
+        "--stats-port",
+        type=int,
+        metavar="S",
+        help="serve only the admin's /stats/prometheus on --listen-host:S, for Prometheus "
+        "(needs --admin-port)",
+    )
+    p.add_argument(
         "--max-body-bytes", type=int, default=32 * 1024 * 1024, help="413 above (default 32 MiB)"
     )
     p.add_argument("--eds-file", type=Path, metavar="F", help="read the workers from F (watched)")
@@ -78,6 +85,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         failure_mode=args.failure_mode,
         response_body=args.response_body,
         admin_port=args.admin_port,
+        stats_port=args.stats_port,
         max_body_bytes=args.max_body_bytes,
         eds_path=args.eds_file,
     ).validate()
