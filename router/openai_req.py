@@ -197,8 +197,10 @@ def _output_reserved(kind: str, doc: dict[str, Any]) -> bool:
 
 def _completion(doc: dict[str, Any], common: dict[str, Any]) -> RoutingInput:
     prompt = doc.get("prompt")
-    # A batch of prompts is routed by its first prompt: the others go along to the same worker.
+    # A batch of prompts is routed by its first prompt: the others go along to the same
+    # worker, which runs `n` sequences for each (the load counted at the pick).
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        common = {**common, "n": common["n"] * len(prompt)}
         prompt = prompt[0]
     if isinstance(prompt, str):
         return RoutingInput("completion", prompt_text=prompt, **common)

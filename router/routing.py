@@ -398,6 +398,11 @@ class DecisionService:
         if ticket.first_token_at is not None:
             m.child(m.ttft, model, worker).observe(ticket.first_token_at - ticket.started)
         m.child(m.duration, model, worker).observe(time.perf_counter() - ticket.started)
+        if d.request.n > 1:
+            # several sequences (n, or a batch of prompts): the engine reports the cached
+            # tokens of sequences that found what a sibling had just computed, which no
+            # prediction of this prompt's overlap can be held to
+            return
         s = d.score_of(worker)
         bs = s.block_size
         # an engine never serves a prompt's last token from cache
