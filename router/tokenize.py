@@ -224,18 +224,9 @@ class LocalTokenizer:
         continue_final_message: bool = False,
         template_source: str | None = None,
     ) -> list[int]:
-        how: tuple[Any, ...] = (add_generation_prompt, extra, add_special_tokens)
-        how += (continue_final_message, *(() if template_source is None else (template_source,)))
-        key = _chat_key(messages, *how)
-        hit = self.cache.get(key)
+        how = (add_generation_prompt, extra, continue_final_message, template_source)
+        key, hit, text = self._chat_text(messages, add_special_tokens, *how)
         if hit is None:
-            text = self.render_chat(
-                messages,
-                add_generation_prompt=add_generation_prompt,
-                extra=extra,
-                continue_final_message=continue_final_message,
-                template_source=template_source,
-            )
             hit = self._tokens(key, text, specials=add_special_tokens)
         return hit.tolist()
 
@@ -249,12 +240,28 @@ class LocalTokenizer:
         continue_final_message: bool = False,
         template_source: str | None = None,
     ) -> Sequence[int]:
+        how = (add_generation_prompt, extra, continue_final_message, template_source)
+        key, hit, text = self._chat_text(messages, add_special_tokens, *how)
+        if hit is not None:
+            return hit
+        return await self._atokens(key, text, specials=add_special_tokens)
+
+    def _chat_text(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_special_tokens: bool,
+        add_generation_prompt: bool,
+        extra: Mapping[str, Any] | None,
+        continue_final_message: bool,
+        template_source: str | None,
+    ) -> tuple[Any, Tokens | None, str]:
+        """A chat's cache key, and its tokens when cached, else its rendered text."""
         how: tuple[Any, ...] = (add_generation_prompt, extra, add_special_tokens)
         how += (continue_final_message, *(() if template_source is None else (template_source,)))
         key = _chat_key(messages, *how)
         hit = self.cache.get(key)
         if hit is not None:
-            return hit
+            return key, hit, ""
         text = self.render_chat(
             messages,
             add_generation_prompt=add_generation_prompt,
@@ -262,7 +269,7 @@ class LocalTokenizer:
             continue_final_message=continue_final_message,
             template_source=template_source,
         )
-        return await self._atokens(key, text, specials=add_special_tokens)
+        return key, None, text
 
     # ---- the one path: cache, known pieces, encode the rest ---------------------------
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+from test_chat_template_flags import engine
 from tokenizers import Tokenizer
 
 from router.app import RouterApp
@@ -251,28 +252,15 @@ def test_continue_final_message_without_a_generation_prompt_is_a_400_otherwise()
 
 @asynccontextmanager
 async def router(tokenizer: str, seen: list[dict[str, Any]]) -> AsyncIterator[RouterApp]:
-    raw = Tokenizer.from_file(str(PACKAGED_TOKENIZER / "tokenizer.json"))
+    def chat(body: dict[str, Any]) -> list[int]:
+        seen.append(body)
+        return LocalTokenizer(PACKAGED_TOKENIZER).chat(  # stands in for the engine's render
+            body["messages"],
+            add_generation_prompt=body["add_generation_prompt"],
+            continue_final_message=body.get("continue_final_message", False),
+        )
 
-    def worker(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/models":
-            card = {"id": "m", "object": "model", "max_model_len": 4064}
-            return httpx.Response(200, json={"object": "list", "data": [card]})
-        if request.url.path == "/tokenize":
-            body = json.loads(request.content)
-            seen.append(body)
-            if "messages" not in body:
-                return httpx.Response(200, json={"tokens": raw.encode(body["prompt"]).ids})
-            local = LocalTokenizer(PACKAGED_TOKENIZER)  # stands in for the engine's render
-            cont = body.get("continue_final_message", False)
-            ids = local.chat(
-                body["messages"],
-                add_generation_prompt=body["add_generation_prompt"],
-                continue_final_message=cont,
-            )
-            return httpx.Response(200, json={"tokens": ids})
-        return httpx.Response(200, json={})
-
-    client = httpx.AsyncClient(transport=httpx.MockTransport(worker))
+    client = httpx.AsyncClient(transport=httpx.MockTransport(engine(chat)))
     config = Config(workers=(WorkerConfig("http://w:8000", mode="approx"),), tokenizer=tokenizer)
     local = LocalTokenizer(PACKAGED_TOKENIZER) if tokenizer != REMOTE else None
     app = RouterApp(config, tokenizer=local, client=client)

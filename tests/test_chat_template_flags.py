@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -126,14 +126,14 @@ def test_a_request_template_that_does_not_compile_is_a_400() -> None:
         local.render_chat(CHAT, template_source="{% if %}")
 
 
-@asynccontextmanager
-async def router(
-    tokenizer: str, trust: bool, seen: list[dict[str, Any]]
-) -> AsyncIterator[RouterApp]:
-    """A router before one worker whose /tokenize renders with the request's template when
-    it has one (as an engine that trusts it does)."""
+Answer = Callable[[httpx.Request], httpx.Response]
 
-    def worker(request: httpx.Request) -> httpx.Response:
+
+def engine(chat: Callable[[dict[str, Any]], list[int]]) -> Answer:
+    """A worker answering /v1/models, and /tokenize: prompts with the packaged tokenizer,
+    chats with `chat(body)` (how the engine renders them)."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/v1/models":
             card = {"id": "m", "object": "model", "max_model_len": 4064}
             return httpx.Response(200, json={"object": "list", "data": [card]})
@@ -141,17 +141,29 @@ async def router(
             body = json.loads(request.content)
             if "messages" not in body:  # the router's own probes
                 return httpx.Response(200, json={"tokens": RAW.encode(body["prompt"]).ids})
-            seen.append(body)
-            local = LocalTokenizer(PACKAGED_TOKENIZER)
-            text = local.render_chat(
-                body["messages"],
-                add_generation_prompt=body["add_generation_prompt"],
-                template_source=body.get("chat_template"),
-            )
-            return httpx.Response(200, json={"tokens": RAW.encode(text).ids})
+            return httpx.Response(200, json={"tokens": chat(body)})
         return httpx.Response(200, json={})
 
-    client = httpx.AsyncClient(transport=httpx.MockTransport(worker))
+    return answer
+
+
+@asynccontextmanager
+async def router(
+    tokenizer: str, trust: bool, seen: list[dict[str, Any]]
+) -> AsyncIterator[RouterApp]:
+    """A router before one worker whose /tokenize renders with the request's template when
+    it has one (as an engine that trusts it does)."""
+
+    def chat(body: dict[str, Any]) -> list[int]:
+        seen.append(body)
+        text = LocalTokenizer(PACKAGED_TOKENIZER).render_chat(
+            body["messages"],
+            add_generation_prompt=body["add_generation_prompt"],
+            template_source=body.get("chat_template"),
+        )
+        return list(RAW.encode(text).ids)
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(engine(chat)))
     config = Config(
         workers=(WorkerConfig("http://w:8000", mode="approx"),),
         tokenizer=tokenizer,
@@ -193,18 +205,8 @@ async def test_an_engine_with_its_own_template_is_caught_unless_given_the_flag(f
     """The start-up probe tokenizes a chat here and on the worker: an engine run with
     --chat-template renders another text, which /health names with the fix."""
 
-    def worker(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/models":
-            card = {"id": "m", "object": "model", "max_model_len": 4064}
-            return httpx.Response(200, json={"object": "list", "data": [card]})
-        if request.url.path == "/tokenize":
-            body = json.loads(request.content)
-            if "messages" not in body:
-                return httpx.Response(200, json={"tokens": RAW.encode(body["prompt"]).ids})
-            engine = LocalTokenizer(PACKAGED_TOKENIZER, chat_template=MINE)
-            return httpx.Response(200, json={"tokens": engine.chat(body["messages"])})
-        return httpx.Response(200, json={})
-
+    own = LocalTokenizer(PACKAGED_TOKENIZER, chat_template=MINE)
+    worker = engine(lambda body: own.chat(body["messages"]))
     client = httpx.AsyncClient(transport=httpx.MockTransport(worker))
     config = Config(
         workers=(WorkerConfig("http://w:8000", mode="approx"),),
