@@ -39,6 +39,21 @@ def standin_service(addresses: list[str]) -> Any:
     return extproc_standin.DecisionService(addresses, models=(MODEL,))
 
 
+class FixedOrder(extproc_standin.DecisionService):
+    """Always ranks the workers in the order given (first choice first)."""
+
+    async def decide(self, rin: Any, *, profile: str = "default", constraints: Any = None) -> Any:
+        decision = await super().decide(rin, profile=profile, constraints=constraints)
+        order = {w: i for i, w in enumerate(self.workers)}
+        ranked = sorted(decision.ranked, key=lambda s: order[s.worker])
+        self.decisions[-1] = (rin.model, [s.worker for s in ranked])
+        return extproc_standin.Decision(rin, ranked)
+
+
+def fixed_order(addresses: list[str]) -> Any:
+    return FixedOrder(addresses, models=(MODEL,))
+
+
 @contextlib.asynccontextmanager
 async def real_service(addresses: list[str]) -> AsyncIterator[Any]:
     """kvroute's own DecisionService (router.routing) over the fleet, its control plane

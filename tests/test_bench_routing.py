@@ -330,11 +330,10 @@ def _bench(*argv: str) -> int:
     return code
 
 
-def _fake_run(
-    plan: routing.Plan, w: object, seed: int, router: str, t: object
-) -> dict[str, object]:
+def _row(cached: float, seed: int) -> dict[str, object]:
+    """One run's row, as `routing` measures it, with the given cached fraction."""
     return {
-        "cached_fraction": 0.82449,  # the per-run line prints 0.824
+        "cached_fraction": cached,
         "ttft_ms": {"p50": 1.0, "p90": 2.0 + seed, "p99": 3.0, "mean": 1.5},
         "itl_ms_p90": 1.0,
         "requests_per_worker": [1, 1],
@@ -343,6 +342,12 @@ def _fake_run(
         "max_min_prefill": 1.0,
         "errors": 0,
     }
+
+
+def _fake_run(
+    plan: routing.Plan, w: object, seed: int, router: str, t: object
+) -> dict[str, object]:
+    return _row(0.82449, seed)  # the per-run line prints 0.824
 
 
 def test_a_router_that_did_not_run_fails_the_command_after_the_table(
@@ -445,16 +450,7 @@ def test_routers_take_turns_run_by_run_and_a_failing_one_is_a_row(
         calls.append((seed, router))
         if router == "random" and seed == 1:
             raise RuntimeError("router died")
-        return {
-            "cached_fraction": 0.5,
-            "ttft_ms": {"p50": 1.0, "p90": 2.0 + seed, "p99": 3.0, "mean": 1.5},
-            "itl_ms_p90": 1.0,
-            "requests_per_worker": [1, 1],
-            "max_min_load": 1.0,
-            "prefill_tokens_per_worker": [10, 10],
-            "max_min_prefill": 1.0,
-            "errors": 0,
-        }
+        return _row(0.5, seed)
 
     monkeypatch.setattr(routing, "_logged_run", fake_run)
     plan = routing.Plan(["seed"], ["kvroute", "random", "round_robin"], (), runs=3, scale=0.1)

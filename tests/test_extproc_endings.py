@@ -11,11 +11,10 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import extproc_standin
 import httpx
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
-from gateway_harness import MODEL, Gateway, gateway, standin_service
+from gateway_harness import MODEL, Gateway, fixed_order, gateway
 
 from router.envoy.bootstrap import PICKER, Endpoint
 from router.extproc.endings import (
@@ -180,20 +179,6 @@ def test_what_an_access_log_entry_says(
 # ---- against a real Envoy -------------------------------------------------------------------
 
 HCM = "envoy.filters.network.http_connection_manager"
-
-
-class FixedOrder(extproc_standin.DecisionService):
-    """Ranks the workers in the order of `self.workers` (first choice first)."""
-
-    async def decide(self, rin: Any, *, profile: str = "default", constraints: Any = None) -> Any:
-        decision = await super().decide(rin, profile=profile, constraints=constraints)
-        order = {w: i for i, w in enumerate(self.workers)}
-        ranked = sorted(decision.ranked, key=lambda s: order[s.worker])
-        return extproc_standin.Decision(rin, ranked)
-
-
-def fixed_order(addresses: list[str]) -> Any:
-    return FixedOrder(addresses, models=standin_service([]).models)
 
 
 @contextlib.asynccontextmanager

@@ -13,17 +13,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import extproc_standin
 import httpx
 import pytest
 from gateway_harness import (
     MODEL,
     Gateway,
+    fixed_order,
     gateway,
     h2_post,
     real_service,
     served_by,
-    standin_service,
     wait_cluster,
     wait_member,
 )
@@ -35,21 +34,6 @@ from router.procs import free_port
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 MODES = ["buffered", "full-duplex"]
 SERVED = "x-gateway-destination-endpoint-served"
-
-
-class FixedOrder(extproc_standin.DecisionService):
-    """Always ranks the workers in the order given (first choice first)."""
-
-    async def decide(self, rin: Any, *, profile: str = "default", constraints: Any = None) -> Any:
-        decision = await super().decide(rin, profile=profile, constraints=constraints)
-        order = {w: i for i, w in enumerate(self.workers)}
-        ranked = sorted(decision.ranked, key=lambda s: order[s.worker])
-        self.decisions[-1] = (rin.model, [s.worker for s in ranked])
-        return extproc_standin.Decision(rin, ranked)
-
-
-def fixed_order(addresses: list[str]) -> Any:
-    return FixedOrder(addresses, models=standin_service([]).models)
 
 
 async def assert_served_as_picked(gw: Gateway, resp: httpx.Response) -> str:
