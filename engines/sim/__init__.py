@@ -8,7 +8,8 @@ model       deterministic output tokens (pure)
 engine      asyncio step loop with an injectable clock and sleeper
 events_pub  ZMQ PUB + replay ROUTER, byte-compatible with vLLM's publisher
 tokenizer   the Hugging Face tokenizer folder, used as vLLM uses it
-protocol, openai, asgi, http, routes_info, metrics   vLLM's HTTP surface
+protocol, validation, errors   request bodies checked and refused as vLLM does, in its order
+openai, respond, asgi, http, routes_info, metrics   vLLM's HTTP surface (n > 1, batches)
 worker      one worker on uvicorn; fleet: N of them; cli: `kvroute sim`
 pd_*        prefill -> decode handoff over real NIXL, as vLLM's NixlConnector (pull mode):
             pd_config (flags), pd_wire (params, side channel), pd_nixl (agent, blocks),

@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engines.sim.protocol import ApiError, media_type_error, schema_error
+from engines.sim.errors import ApiError, media_type_error, schema_error
 
 T = TypeVar("T")
 

@@ -94,6 +94,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--api-key", default=None, help="require this bearer key on /v1/* (vLLM's --api-key)"
     )
     g.add_argument(
+        "--no-prompt-tokens-details",
+        dest="prompt_tokens_details",
+        action="store_false",
+        help="leave usage.prompt_tokens_details (cached_tokens) out of responses, as a vLLM "
+        "started without --enable-prompt-tokens-details (default: reported)",
+    )
+    g.add_argument(
         "--data-parallel-size",
         type=int,
         default=1,
@@ -195,6 +202,7 @@ def config_from_args(
         api_key=args.api_key,
         kv_transfer=kv_transfer,
         data_parallel_size=args.data_parallel_size,
+        prompt_tokens_details=args.prompt_tokens_details,
     )
     return config.replace(**over).validate()
 

@@ -54,6 +54,9 @@ class SimConfig:
     data_parallel_rank: int = 0  # which one this engine is (its events and metrics say so)
     name: str = "sim"
     kv_transfer: KVTransferConfig | None = None  # P/D handoff over NIXL (engines.sim.pd_*)
+    # usage.prompt_tokens_details, as vLLM's --enable-prompt-tokens-details (on: the project's
+    # clients read cached_tokens there; off: as a vLLM started without the flag)
+    prompt_tokens_details: bool = True
 
     def replace(self, **changes: object) -> SimConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -49,9 +49,14 @@ class VirtualClock:
 
 
 class EngineObserver(Protocol):
-    """Metrics hooks (see `engines.sim.metrics`); the engine itself keeps no histograms."""
+    """Metrics hooks (see `engines.sim.metrics`); the engine itself keeps no histograms.
+    As vLLM's output processor counts: the prompt at its first token, every token as it is
+    sampled, and every finish except a client's abort (vLLM drops that request's state
+    without recording a finish)."""
 
     def first_token(self, req: SimRequest, ttft_s: float) -> None: ...
+
+    def generated(self, req: SimRequest) -> None: ...
 
     def finished(self, req: SimRequest, e2e_s: float) -> None: ...
 
@@ -77,6 +82,7 @@ class Output:
     finish_reason: str | None
     stop_reason: int | str | None
     num_cached_tokens: int
+    request_id: str = ""  # which request: several may share one queue (n > 1, a batch)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,15 +97,23 @@ class EngineStats:
 
 
 class RequestHandle:
-    """A submitted request: iterate its outputs; `abort` frees its blocks at once."""
+    """A submitted request: iterate its outputs (or read the queue it shares); `abort` and
+    `cancel` free its blocks at once."""
 
-    def __init__(self, engine: Engine, req: SimRequest) -> None:
+    def __init__(
+        self, engine: Engine, req: SimRequest, queue: asyncio.Queue[Output] | None = None
+    ) -> None:
         self.engine = engine
         self.request = req
-        self.queue: asyncio.Queue[Output] = asyncio.Queue()
+        self.queue: asyncio.Queue[Output] = queue if queue is not None else asyncio.Queue()
 
     def abort(self, reason: str = "abort", stop_reason: int | str | None = None) -> None:
+        """The front end finished it (a stop string): counted as a finish."""
         self.engine.abort(self.request, reason, stop_reason)
+
+    def cancel(self) -> None:
+        """The client went away: aborted, and not counted as a finish (as vLLM)."""
+        self.engine.abort(self.request, by_client=True)
 
     async def outputs(self) -> AsyncIterator[Output]:
         """Outputs until the request finishes; leaving early (client gone, stop string)
@@ -112,7 +126,7 @@ class RequestHandle:
                     return
         finally:
             if not self.request.finished:
-                self.abort()
+                self.cancel()
 
 
 class Engine:
@@ -176,9 +190,13 @@ class Engine:
         request_id: str | None = None,
         kv_transfer_params: Mapping[str, Any] | None = None,
         remote: object | None = None,
+        *,
+        variant: int = 0,
+        queue: asyncio.Queue[Output] | None = None,
     ) -> RequestHandle:
         """Queue a request; `remote` (decode side of P/D) says where its KV is pulled from,
-        `kv_transfer_params` are the client's, kept for the prefill side."""
+        `kv_transfer_params` are the client's, kept for the prefill side. `variant` k > 0
+        is the k-th sample of a prompt run n times; `queue` is shared by such siblings."""
         prompt = list(prompt_ids)
         req = SimRequest(
             request_id=request_id or f"sim-{next(self._ids)}",
@@ -186,25 +204,38 @@ class Engine:
             sampling=sampling,
             keys=keys,
             arrival=self.clock.now(),
-            seed=self.model.digest(prompt),
+            seed=self.model.digest(prompt, variant),
             kv_transfer_params=kv_transfer_params,
             remote=remote,
             remote_prefill=remote is not None and self.loader is not None,
         )
         if self.loader is not None:
             self.loader.on_submit(req)
-        handle = RequestHandle(self, req)
+        handle = RequestHandle(self, req, queue)
         self._handles[req] = handle
         self.scheduler.add(req)
         self._wake.set()
         return handle
 
-    def abort(self, req: SimRequest, reason: str = "abort", stop: int | str | None = None) -> None:
-        """Finish `req` now and free its blocks; its stream ends with a token-less output."""
+    def abort(
+        self,
+        req: SimRequest,
+        reason: str = "abort",
+        stop: int | str | None = None,
+        *,
+        by_client: bool = False,
+    ) -> None:
+        """Finish `req` now and free its blocks; its stream ends with a token-less output.
+        A finish the client caused (`by_client`) is not counted in the metrics."""
+        if req.finished:
+            return
         self.scheduler.finish(req, reason, stop)
+        now = self.clock.now()
+        if self.observer is not None and not by_client:
+            self.observer.finished(req, now - req.arrival)
         handle = self._handles.pop(req, None)
         if handle is not None:
-            end = Output(None, len(req.output_ids), self.clock.now(), True, reason, stop, 0)
+            end = Output(None, len(req.output_ids), now, True, reason, stop, 0, req.request_id)
             handle.queue.put_nowait(end)
         self._wake.set()
 
@@ -300,6 +331,7 @@ class Engine:
         if self.observer is not None:
             if index == 0:
                 self.observer.first_token(req, now - req.arrival)
+            self.observer.generated(req)
             if event.finished:
                 self.observer.finished(req, now - req.arrival)
         if event.finished:
@@ -315,5 +347,6 @@ class Engine:
                 finish_reason=req.finish_reason,
                 stop_reason=req.stop_reason,
                 num_cached_tokens=max(req.num_cached_tokens, 0),
+                request_id=req.request_id,
             )
         )

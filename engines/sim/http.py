@@ -24,18 +24,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from engines.sim import openai as oa
+from engines.sim import respond
 from engines.sim.asgi import (
     EventStream,
     Json,
-    dumps,
     error_response,
     json_body,
     unless_disconnected,
 )
+from engines.sim.errors import ApiError, bad_request
 from engines.sim.metrics import CONTENT_TYPE
-from engines.sim.pd_http import decode_leg, engine_request_id, internal_error
-from engines.sim.protocol import ApiError, GenerateRequest, bad_request, get
+from engines.sim.pd_http import decode_leg
 from engines.sim.routes_info import info_routes
 
 if TYPE_CHECKING:
@@ -121,56 +120,11 @@ async def _generate(w: SimWorker, request: Request, chat: bool) -> Response:
     rid = f"{prefix}-{request.headers.get('x-request-id') or uuid.uuid4().hex}"
     created = int(time.time())
     if gen.stream:
-        return EventStream(_sse(w, gen, rid, created, chat))
-    body = await unless_disconnected(request.receive, _collect(w, gen, rid, created, chat))
+        return EventStream(respond.stream(w, gen, rid, created, chat))
+    body = await unless_disconnected(request.receive, respond.collect(w, gen, rid, created, chat))
     if body is None:
         return Json(bad_request("Client disconnected").body(), status_code=400)
     return Json(body)
-
-
-async def _collect(
-    w: SimWorker, gen: GenerateRequest, rid: str, created: int, chat: bool
-) -> dict[str, Any]:
-    text: list[str] = []
-    last = None
-    async for d in oa.generate(w.engine, gen, w.tokenizer, engine_request_id(rid, chat)):
-        text.append(d.text)
-        last = d
-    assert last is not None
-    if last.finish_reason == "error":  # e.g. a failed KV pull under policy "fail"
-        raise internal_error()
-    u = oa.usage(len(gen.prompt_ids), last.completion_tokens, last.cached_tokens, full=True)
-    shape = oa.chat_body if chat else oa.completion_body
-    return shape(rid, created, gen.model, last, "".join(text), u, w.fingerprint)
-
-
-async def _sse(
-    w: SimWorker, gen: GenerateRequest, rid: str, created: int, chat: bool
-) -> AsyncIterator[str]:
-    if chat:
-        yield dumps(oa.chat_role_chunk(rid, created, gen.model))
-    last = None
-    async for d in oa.generate(w.engine, gen, w.tokenizer, engine_request_id(rid, chat)):
-        if d.finish_reason == "error":  # vLLM: an error event, then [DONE]
-            yield dumps(internal_error().body())
-            break
-        last = d
-        chunk = (oa.chat_chunk if chat else oa.completion_chunk)(rid, created, gen.model, d)
-        if d.finish_reason is not None and not gen.include_usage:
-            chunk["system_fingerprint"] = w.fingerprint
-        if gen.continuous_usage:
-            n = len(gen.prompt_ids)
-            chunk["usage"] = {
-                "prompt_tokens": n,
-                "total_tokens": n + d.completion_tokens,
-                "completion_tokens": d.completion_tokens,
-            }
-        yield dumps(chunk)
-    if gen.include_usage and last is not None and last.finish_reason is not None:
-        u = oa.usage(len(gen.prompt_ids), last.completion_tokens, last.cached_tokens, full=False)
-        obj = "chat.completion.chunk" if chat else "text_completion"
-        yield dumps(oa.usage_chunk(rid, created, gen.model, obj, u, w.fingerprint))
-    yield "[DONE]"
 
 
 # ---- tokenization and cache ------------------------------------------------------------
@@ -179,11 +133,7 @@ async def _sse(
 async def tokenize(w: SimWorker, request: Request) -> Response:
     body = await json_body(request)
     w.renderer.keys_for(body)
-    if "messages" in body:
-        ids = w.renderer.chat_ids(body)
-    else:
-        add_special = get(body, "add_special_tokens", bool, True)
-        ids = w.renderer.completion_ids(body, add_special)
+    ids = w.renderer.tokenize_ids(body)
     out: dict[str, Any] = {"count": len(ids), "max_model_len": w.max_model_len, "tokens": ids}
     out["token_strs"] = w.tokenizer.token_strs(ids) if body.get("return_token_strs") else None
     return Json(out)

@@ -2,6 +2,11 @@
 
 Names, labels (`model_name`, `engine`) and TTFT buckets follow vLLM 0.32
 (`vllm/v1/metrics/loggers.py`). Gauges are refreshed from the engine on every scrape.
+Counted as vLLM's output processor counts (`v1/metrics/stats.py`): prompt tokens when a
+request's first token comes out, generation tokens as they are sampled (a stop string's
+finish or a client's abort keeps what was generated), and a finish, with its reason and its
+e2e latency, for every request the engine or a stop string ends. A client's abort is not a
+finish there (`OutputProcessor.abort_requests` drops the request's state unrecorded).
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from engines.sim.engine import EngineStats
 from engines.sim.pd_metrics import NixlMetrics, PromptSourceMetrics
 from engines.sim.request import SimRequest
+
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")  # vLLM's FinishReason
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (
@@ -83,6 +90,8 @@ class SimMetrics:
             (*LABELS, "finished_reason"),
             registry=r,
         )
+        for reason in FINISH_REASONS:  # vLLM creates every series up front, at 0
+            self.success.labels(*lv, reason)
         self._lv = lv
 
     def _histograms(self, r: CollectorRegistry, lv: tuple[str, str]) -> None:
@@ -105,7 +114,11 @@ class SimMetrics:
 
     def first_token(self, req: SimRequest, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
+        self.prompt_tokens.inc(req.num_prompt_tokens)
         self.sources.prefilled(req)
+
+    def generated(self, req: SimRequest) -> None:
+        self.generation_tokens.inc()
 
     def nixl(self) -> NixlMetrics:
         """The NIXL transfer metrics, for a worker with a connector."""
@@ -113,8 +126,6 @@ class SimMetrics:
 
     def finished(self, req: SimRequest, e2e_s: float) -> None:
         self.e2e.observe(e2e_s)
-        self.prompt_tokens.inc(req.num_prompt_tokens)
-        self.generation_tokens.inc(len(req.output_ids))
         self.success.labels(*self._lv, req.finish_reason or "abort").inc()
 
     # ---- scrape --------------------------------------------------------------------------

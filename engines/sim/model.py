@@ -34,9 +34,13 @@ class FakeModel:
         self.seed = seed
         self.output_len = output_len
 
-    def digest(self, prompt_ids: Sequence[int]) -> bytes:
+    def digest(self, prompt_ids: Sequence[int], variant: int = 0) -> bytes:
+        """The seed of a request's output; `variant` k > 0 tells the k-th of a prompt's `n`
+        samples apart (vLLM seeds child k with seed + k)."""
         h = hashlib.blake2b(digest_size=16, key=self.seed.to_bytes(8, "big", signed=True))
         h.update(array("q", prompt_ids).tobytes())
+        if variant:
+            h.update(b"sample" + variant.to_bytes(4, "big"))
         return h.digest()
 
     def natural_length(self, digest: bytes) -> int:

@@ -8,11 +8,13 @@ non-streamed responses in full.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engines.sim.engine import Engine
+from engines.sim.engine import Engine, Output, RequestHandle
 from engines.sim.protocol import GenerateRequest
 from engines.sim.request import Sampling
 from engines.sim.tokenizer import SimTokenizer
@@ -50,44 +52,112 @@ class TextStream:
         return out
 
 
-@dataclass
+@dataclass(frozen=True)
 class Delta:
-    """What one engine output adds to a response."""
+    """What one engine output adds to one choice of a response."""
 
+    index: int  # the choice: prompt * n + sample, as vLLM numbers them
+    prompt: int  # which prompt of the request
     text: str
     token_ids: list[int]
     finish_reason: str | None
     stop_reason: int | str | None
-    completion_tokens: int
+    completion_tokens: int  # this choice's so far
     cached_tokens: int
     kv_transfer_params: dict[str, Any] | None = None  # on the last delta of a prefill leg
 
 
-async def generate(
-    engine: Engine, gen: GenerateRequest, tok: SimTokenizer, request_id: str | None = None
-) -> AsyncIterator[Delta]:
-    """Run one request on the engine; leaving the iteration early aborts it."""
-    sampling = Sampling(gen.max_tokens, gen.ignore_eos, gen.min_tokens, gen.stop_token_ids)
-    handle = engine.submit(
-        gen.prompt_ids, sampling, gen.keys, request_id, gen.kv_transfer_params, gen.remote
-    )
-    text = TextStream(tok, gen.stop, gen.include_stop_str)
-    n = 0
-    async for out in handle.outputs():
-        cached = _cached_tokens(gen, out.num_cached_tokens)
+class _Choice:
+    """One sequence of a request (a prompt's k-th sample), as its text stream sees it."""
+
+    def __init__(self, index: int, prompt: int, handle: RequestHandle, text: TextStream) -> None:
+        self.index = index
+        self.prompt = prompt
+        self.handle = handle
+        self.text = text
+        self.tokens = 0
+        self.done = False
+
+    def take(self, out: Output, cached: int) -> Delta:
         if out.token_id is None:  # aborted under us (shutdown, reset of running requests)
-            yield Delta(text.flush(), [], out.finish_reason or "abort", None, n, cached)
-            return
-        n += 1
-        delta, matched = text.add(out.token_id)
-        if matched is not None:
-            handle.abort("stop", matched)
-            yield Delta(delta, [out.token_id], "stop", matched, n, cached)
-            return
+            self.done = True
+            return self._delta(self.text.flush(), [], out.finish_reason or "abort", None, cached)
+        self.tokens += 1
+        text, matched = self.text.add(out.token_id)
+        if matched is not None:  # finished here, as vLLM's output processor does
+            self.done = True
+            self.handle.abort("stop", matched)
+            return self._delta(text, [out.token_id], "stop", matched, cached)
+        params = None
         if out.finished:
-            delta += text.flush()
-        params = handle.request.kv_transfer_out if out.finished else None
-        yield Delta(delta, [out.token_id], out.finish_reason, out.stop_reason, n, cached, params)
+            self.done = True
+            text += self.text.flush()
+            params = self.handle.request.kv_transfer_out
+        return self._delta(text, [out.token_id], out.finish_reason, out.stop_reason, cached, params)
+
+    def _delta(
+        self,
+        text: str,
+        ids: list[int],
+        reason: str | None,
+        stop: int | str | None,
+        cached: int,
+        params: dict[str, Any] | None = None,
+    ) -> Delta:
+        return Delta(self.index, self.prompt, text, ids, reason, stop, self.tokens, cached, params)
+
+
+async def generate(
+    engine: Engine, gen: GenerateRequest, tok: SimTokenizer, request_ids: Sequence[str | None]
+) -> AsyncIterator[Delta]:
+    """Run every sequence of `gen` (each prompt `n` times: vLLM's child requests, submitted
+    together, so a sibling finds the blocks the first one just allocated) and yield their
+    deltas in the order the engine produced them. Leaving the iteration early aborts the
+    sequences still running, as a client's disconnect."""
+    queue: asyncio.Queue[Output] = asyncio.Queue()
+    choices = _submit(engine, gen, tok, request_ids, queue)
+    live = len(choices)
+    try:
+        while live:
+            out = await queue.get()
+            choice = choices[out.request_id]
+            if choice.done:  # e.g. the end a stop string's abort queued
+                continue
+            delta = choice.take(out, _cached_tokens(gen, out.num_cached_tokens))
+            live -= choice.done
+            yield delta
+    finally:
+        for choice in choices.values():
+            if not choice.handle.request.finished:
+                choice.handle.cancel()
+
+
+def _submit(
+    engine: Engine,
+    gen: GenerateRequest,
+    tok: SimTokenizer,
+    request_ids: Sequence[str | None],
+    queue: asyncio.Queue[Output],
+) -> dict[str, _Choice]:
+    """Every sequence of `gen` on the engine, prompt by prompt, sample by sample."""
+    choices: dict[str, _Choice] = {}
+    for index, (p, k) in enumerate(itertools.product(range(len(gen.prompts)), range(gen.n))):
+        prompt = gen.prompts[p]
+        sampling = Sampling(prompt.max_tokens, gen.ignore_eos, gen.min_tokens, gen.stop_token_ids)
+        remote = gen.remote if p == 0 else None  # the handoff was checked for the first prompt
+        handle = engine.submit(
+            prompt.ids,
+            sampling,
+            gen.keys,
+            request_ids[index],
+            gen.kv_transfer_params,
+            remote,
+            variant=k,
+            queue=queue,
+        )
+        text = TextStream(tok, gen.stop, gen.include_stop_str)
+        choices[handle.request.request_id] = _Choice(index, p, handle, text)
+    return choices
 
 
 def _cached_tokens(gen: GenerateRequest, own: int) -> int:
@@ -100,27 +170,27 @@ def _cached_tokens(gen: GenerateRequest, own: int) -> int:
 # ---- bodies --------------------------------------------------------------------------------
 
 
-def usage(prompt: int, completion: int, cached: int, full: bool) -> dict[str, Any]:
-    """`UsageInfo` with `prompt_tokens_details` (the engine runs with
-    --enable-prompt-tokens-details); `full` dumps every field, else only the set ones."""
+def usage(
+    prompt: int, completion: int, cached: int, full: bool, details: bool = True
+) -> dict[str, Any]:
+    """`UsageInfo`; `full` dumps every field, else only those not None. `details`: with
+    `prompt_tokens_details`, as vLLM started with --enable-prompt-tokens-details."""
     out: dict[str, Any] = {
         "prompt_tokens": prompt,
         "total_tokens": prompt + completion,
         "completion_tokens": completion,
     }
     if full:
-        details = {"cached_tokens": cached, "created_cache_tokens": None, "multimodal_tokens": None}
-        out.update(prompt_tokens_details=details, completion_tokens_details=None)
-    else:
+        info = {"cached_tokens": cached, "created_cache_tokens": None, "multimodal_tokens": None}
+        out.update(prompt_tokens_details=info if details else None, completion_tokens_details=None)
+    elif details:
         out["prompt_tokens_details"] = {"cached_tokens": cached}
     return out
 
 
-def completion_body(
-    rid: str, created: int, model: str, d: Delta, text: str, u: dict[str, Any], fp: str | None
-) -> dict[str, Any]:
-    choice = {
-        "index": 0,
+def completion_choice(d: Delta, text: str) -> dict[str, Any]:
+    return {
+        "index": d.index,
         "text": text,
         "logprobs": None,
         "finish_reason": d.finish_reason,
@@ -130,24 +200,33 @@ def completion_body(
         "prompt_token_ids": None,
         "routed_experts": None,
     }
+
+
+def completion_body(
+    rid: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    u: dict[str, Any],
+    params: dict[str, Any] | None,
+    fp: str | None,
+) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "service_tier": None,
         "system_fingerprint": fp,
         "usage": u,
-        "kv_transfer_params": d.kv_transfer_params,
+        "kv_transfer_params": params,
         "ec_transfer_params": None,
         "metrics": None,
     }
 
 
-def chat_body(
-    rid: str, created: int, model: str, d: Delta, text: str, u: dict[str, Any], fp: str | None
-) -> dict[str, Any]:
+def chat_choice(d: Delta, text: str) -> dict[str, Any]:
     message = {
         "role": "assistant",
         "content": text,
@@ -157,8 +236,8 @@ def chat_body(
         "function_call": None,
         "reasoning": None,
     }
-    choice = {
-        "index": 0,
+    return {
+        "index": d.index,
         "message": message,
         "logprobs": None,
         "finish_reason": d.finish_reason or "stop",
@@ -166,19 +245,30 @@ def chat_body(
         "token_ids": None,
         "routed_experts": None,
     }
+
+
+def chat_body(
+    rid: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    u: dict[str, Any],
+    params: dict[str, Any] | None,
+    fp: str | None,
+) -> dict[str, Any]:
     return {
         "id": rid,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [choice],
+        "choices": choices,
         "service_tier": None,
         "system_fingerprint": fp,
         "usage": u,
         "prompt_logprobs": None,
         "prompt_token_ids": None,
         "prompt_text": None,
-        "kv_transfer_params": d.kv_transfer_params,
+        "kv_transfer_params": params,
         "ec_transfer_params": None,
         "metrics": None,
     }
@@ -186,7 +276,7 @@ def chat_body(
 
 def completion_chunk(rid: str, created: int, model: str, d: Delta) -> dict[str, Any]:
     choice = {
-        "index": 0,
+        "index": d.index,
         "text": d.text,
         "logprobs": None,
         "finish_reason": d.finish_reason,
@@ -203,9 +293,9 @@ def completion_chunk(rid: str, created: int, model: str, d: Delta) -> dict[str, 
     }
 
 
-def chat_role_chunk(rid: str, created: int, model: str) -> dict[str, Any]:
+def chat_role_chunk(rid: str, created: int, model: str, index: int = 0) -> dict[str, Any]:
     choice = {
-        "index": 0,
+        "index": index,
         "delta": {"role": "assistant", "content": ""},
         "logprobs": None,
         "finish_reason": None,
@@ -223,7 +313,7 @@ def chat_role_chunk(rid: str, created: int, model: str) -> dict[str, Any]:
 
 def chat_chunk(rid: str, created: int, model: str, d: Delta) -> dict[str, Any]:
     choice: dict[str, Any] = {
-        "index": 0,
+        "index": d.index,
         "delta": {"content": d.text},
         "logprobs": None,
         "finish_reason": d.finish_reason,

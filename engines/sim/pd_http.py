@@ -7,9 +7,10 @@ import logging
 import uuid
 from typing import TYPE_CHECKING
 
+from engines.sim.errors import ApiError
 from engines.sim.pd_pull import CRASH_NOTE
 from engines.sim.pd_wire import MalformedParams, RemoteParams
-from engines.sim.protocol import ApiError, GenerateRequest
+from engines.sim.protocol import GenerateRequest
 
 if TYPE_CHECKING:
     from engines.sim.worker import SimWorker
@@ -46,8 +47,8 @@ def decode_leg(w: SimWorker, gen: GenerateRequest) -> RemoteParams | None:
     return remote
 
 
-def engine_request_id(rid: str, chat: bool) -> str:
+def engine_request_id(rid: str, chat: bool, prompt: int = 0) -> str:
     """vLLM's internal request id (what `remote_request_id` carries): the response id, the
     prompt index for completions, and a random 8-hex suffix."""
     suffix = uuid.uuid4().hex[:8]
-    return f"{rid}-{suffix}" if chat else f"{rid}-0-{suffix}"
+    return f"{rid}-{suffix}" if chat else f"{rid}-{prompt}-{suffix}"

@@ -14,7 +14,7 @@ from starlette.responses import Response
 
 from engines.sim.asgi import Json, json_body
 from engines.sim.config import VLLM_VERSION
-from engines.sim.protocol import GenerateRequest
+from engines.sim.protocol import GenerateRequest, Prompt
 
 if TYPE_CHECKING:
     from engines.sim.worker import SimWorker
@@ -180,10 +180,10 @@ async def model_info(w: SimWorker, _: Request) -> Response:
     )
 
 
-def _sampling_params(gen: GenerateRequest) -> dict[str, Any]:
+def _sampling_params(gen: GenerateRequest, prompt: Prompt) -> dict[str, Any]:
     body = gen.body
     return {
-        "n": 1,
+        "n": gen.n,
         "presence_penalty": float(body.get("presence_penalty") or 0.0),
         "frequency_penalty": float(body.get("frequency_penalty") or 0.0),
         "repetition_penalty": float(body.get("repetition_penalty") or 1.0),
@@ -195,7 +195,7 @@ def _sampling_params(gen: GenerateRequest) -> dict[str, Any]:
         "stop": gen.stop,
         "stop_token_ids": list(gen.stop_token_ids),
         "ignore_eos": gen.ignore_eos,
-        "max_tokens": gen.max_tokens,
+        "max_tokens": prompt.max_tokens,
         "min_tokens": gen.min_tokens,
         "logprobs": None,
         "prompt_logprobs": None,
@@ -206,15 +206,15 @@ def _sampling_params(gen: GenerateRequest) -> dict[str, Any]:
     }
 
 
-def _render(gen: GenerateRequest, request_id: str) -> dict[str, Any]:
-    """vLLM's `GenerateRequest` (`/inference/v1/generate` input) for a rendered request."""
+def _render(gen: GenerateRequest, request_id: str, prompt: Prompt) -> dict[str, Any]:
+    """vLLM's `GenerateRequest` (`/inference/v1/generate` input) for one rendered prompt."""
     return {
         "request_id": request_id,
-        "token_ids": gen.prompt_ids,
+        "token_ids": prompt.ids,
         "token_offsets": None,
         "features": None,
         "content_parts": None,
-        "sampling_params": _sampling_params(gen),
+        "sampling_params": _sampling_params(gen, prompt),
         "model": gen.body.get("model"),
         "reasoning_ended": None,
         "reasoning_parser_kwargs": None,
@@ -235,9 +235,11 @@ def _request_id(request: Request, prefix: str) -> str:
 
 async def render_completion(w: SimWorker, request: Request) -> Response:
     gen = w.renderer.generate_request(await json_body(request), chat=False)
-    return Json([_render(gen, _request_id(request, "cmpl"))])
+    base = _request_id(request, "cmpl")
+    ids = [base] if len(gen.prompts) == 1 else [f"{base}-{i}" for i in range(len(gen.prompts))]
+    return Json([_render(gen, rid, p) for rid, p in zip(ids, gen.prompts, strict=True)])
 
 
 async def render_chat(w: SimWorker, request: Request) -> Response:
     gen = w.renderer.generate_request(await json_body(request), chat=True)
-    return Json(_render(gen, _request_id(request, "chatcmpl")))
+    return Json(_render(gen, _request_id(request, "chatcmpl"), gen.prompts[0]))
