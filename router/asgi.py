@@ -57,6 +57,15 @@ CLIENT_GONE = "kvroute.client_gone"
 # ends the response itself, in OpenAI's shape, rather than leave uvicorn's plain-text 500 or
 # a reset connection to a client that could have retried elsewhere.
 DRAIN_EXPIRED = "kvroute.drain_expired"
+# the outcomes of a request whose task was cancelled: by its client, or by the drain
+CLIENT_GONE_OUTCOME = "client_disconnected"
+DRAIN_CUT_OUTCOME = "drain_timeout"
+CANCELLED_OUTCOMES = (CLIENT_GONE_OUTCOME, DRAIN_CUT_OUTCOME)
+
+
+def cancelled_outcome(scope: Scope) -> str:
+    """Why a request's task was cancelled: the drain timeout marked it, or its client left."""
+    return DRAIN_CUT_OUTCOME if scope.get(DRAIN_EXPIRED) else CLIENT_GONE_OUTCOME
 
 
 def check_length(scope: Scope, limit: int) -> None:

@@ -22,7 +22,16 @@ import urllib.parse
 from typing import TYPE_CHECKING, Any, Protocol
 
 from router.access import AccessLog
-from router.asgi import CLIENT_GONE, Receive, Scope, Send, check_length, header, read_body
+from router.asgi import (
+    CLIENT_GONE,
+    Receive,
+    Scope,
+    Send,
+    cancelled_outcome,
+    check_length,
+    header,
+    read_body,
+)
 from router.core.config import Config
 from router.core.decision import Constraints, Decision, WorkerScore
 from router.core.errors import BadRequest, KvrouteError, MethodNotAllowed, Overloaded, UpstreamError
@@ -148,7 +157,7 @@ class ProxyDoor:
         )
         target = request_target(scope)
         request = _Request(
-            decision, rin, scope["method"].encode(), target, headers, body, request_id, t0
+            decision, rin, scope["method"].encode(), target, headers, body, request_id, t0, scope
         )
         if pd and self.pd is not None:
             await self.pd.serve(request, send, self._attempts)
@@ -193,7 +202,7 @@ class ProxyDoor:
                 failures.append(str(exc))
                 self._worker_failed(choice.worker, exc)
             except asyncio.CancelledError:
-                outcome = "client_disconnected"
+                outcome = r.cancelled_outcome()
                 raise
             finally:
                 if outcome is not None:
@@ -257,6 +266,7 @@ class _Request:
         "method",
         "request_id",
         "rin",
+        "scope",
         "started",
         "target",
     )
@@ -271,7 +281,9 @@ class _Request:
         body: bytes,
         request_id: bytes,
         started: float,
+        scope: Scope,
     ) -> None:
+        self.scope = scope  # the server's: the drain marks a request it cuts there
         self.decision = decision
         self.rin = rin
         self.method = method
@@ -281,6 +293,9 @@ class _Request:
         self.request_id = request_id
         self.started = started
         self.first_byte: float | None = None
+
+    def cancelled_outcome(self) -> str:
+        return cancelled_outcome(self.scope)
 
 
 _NOT_IN_TARGET = re.compile(rb"[\x00-\x20\x7f]")  # spaces and control bytes

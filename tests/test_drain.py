@@ -44,6 +44,7 @@ class Router:
     url: str
     server: _Server
     task: asyncio.Task[None]
+    app: RouterApp
 
     def sigterm(self) -> None:
         self.server.handle_exit(signal.SIGTERM, None)
@@ -73,7 +74,7 @@ async def router() -> AsyncIterator[Router]:
                 await asyncio.sleep(0.01)
             while not app.routing.ready:
                 await asyncio.sleep(0.01)
-            yield Router(f"http://127.0.0.1:{port}", server, task)
+            yield Router(f"http://127.0.0.1:{port}", server, task, app)
         finally:
             server.should_exit = True
             await task
@@ -97,6 +98,21 @@ async def test_a_request_cut_by_the_drain_timeout_gets_an_openai_503() -> None:
     assert resp.status_code == 503
     assert resp.headers["content-type"] == "application/json"
     error_of(resp.json())
+    # counted as the drain's cut, not as a client that hung up
+    outcomes = outcomes_of(r.app)
+    assert outcomes.get("drain_timeout") == 1 and "client_disconnected" not in outcomes, outcomes
+
+
+def outcomes_of(app: RouterApp) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(app.metrics.render().decode()):
+        for sample in family.samples:
+            if sample.name == "kvroute_requests_total":
+                outcome = sample.labels["outcome"]
+                out[outcome] = out.get(outcome, 0.0) + sample.value
+    return out
 
 
 async def test_a_stream_cut_by_the_drain_timeout_ends_with_an_error_event() -> None:
@@ -114,6 +130,7 @@ async def test_a_stream_cut_by_the_drain_timeout_ends_with_an_error_event() -> N
     assert rest[-1] == "data: [DONE]"
     error_of(json.loads(rest[-2].removeprefix("data: ")))
     assert all(line.startswith("data: ") for line in rest)
+    assert outcomes_of(r.app).get("drain_timeout") == 1
 
 
 async def test_a_stream_cut_mid_event_ends_that_event_before_the_error() -> None:

@@ -281,7 +281,7 @@ async def test_a_retry_skips_a_runner_up_taken_out_of_rotation_since() -> None:
         rin = parse("completion", b'{"model": "m", "prompt": "hello there"}')
         decision = await app.routing.decide(rin)
         (only,) = decision.ranked
-        request = _Request(decision, rin, b"POST", b"/v1/completions", [], b"", b"id", 0.0)
+        request = _Request(decision, rin, b"POST", b"/v1/completions", [], b"", b"id", 0.0, {})
         app.fleet.workers[only.worker].available = False  # ejected meanwhile
         assert await app.proxy._next_choice(request, set()) is None
         app.fleet.workers[only.worker].available = True

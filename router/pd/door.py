@@ -20,7 +20,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from router.asgi import Send
+from router.asgi import CANCELLED_OUTCOMES, Send
 from router.core.config import Config, pd_threshold
 from router.core.decision import Constraints, Decision, WorkerScore
 from router.core.errors import BadRequest, NoWorkerAvailable, UpstreamError, UpstreamTimeout
@@ -252,7 +252,7 @@ class PDDoor:
             self._prefill_failed(worker, ticket, exc)
             return exc.cause
         except asyncio.CancelledError:
-            self.svc.finish(ticket, status=0, outcome="client_disconnected")
+            self.svc.finish(ticket, status=0, outcome=r.cancelled_outcome())
             raise
         self.svc.first_token(ticket)
         self.svc.finish(ticket, status=200, cached_tokens=answer.cached_tokens)
@@ -326,7 +326,7 @@ class PDDoor:
         except asyncio.CancelledError:
             if r.first_byte is not None:  # the first token came: the pull happened
                 proved = self._learn_split(r, plan, sent)
-            self._decode_gone(r, plan, ticket, "client_disconnected")
+            self._decode_gone(r, plan, ticket, r.cancelled_outcome())
             raise
         except UpstreamError:
             self._decode_gone(r, plan, ticket, "worker_failed")
@@ -390,12 +390,11 @@ class PDDoor:
         await local(r, send)
 
     def _decode_gone(self, r: ClientRequest, plan: m.Plan, ticket: Ticket, outcome: str) -> None:
-        self.svc.finish(
-            ticket, status=0 if outcome == "client_disconnected" else 502, outcome=outcome
-        )
+        cancelled = outcome in CANCELLED_OUTCOMES
+        self.svc.finish(ticket, status=0 if cancelled else 502, outcome=outcome)
         if r.first_byte is None:  # the pull may never have happened
             self.metrics.orphans.labels(plan.prefill or "?", outcome).inc()
-        if outcome != "client_disconnected":
+        if not cancelled:
             self.metrics.decode_errors.labels(plan.decode, outcome).inc()
 
     # ---- what the control endpoints show ----------------------------------------------

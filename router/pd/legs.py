@@ -45,6 +45,8 @@ class ClientRequest(Protocol):
     started: float
     first_byte: float | None
 
+    def cancelled_outcome(self) -> str: ...
+
 
 class LegFailed(Exception):
     """The prefill leg gave nothing usable; `cause` is the fallback's metric label and
