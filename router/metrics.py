@@ -70,8 +70,8 @@ class RouterMetrics:
         self.requests = Counter(
             "kvroute_requests_total",
             "Requests by model, worker, HTTP status and outcome (ok, http_error, "
-            "connect_failed, timeout, client_disconnected, drain_timeout; the router's own answers have "
-            "worker=none and outcome=router)",
+            "connect_failed, timeout, client_disconnected, drain_timeout; the router's own "
+            "answers have worker=none and outcome=router)",
             ["model", "worker", "status", "outcome"],
             registry=r,
         )

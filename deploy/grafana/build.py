@@ -100,8 +100,8 @@ def traffic() -> list[Panel]:
             "Requests by outcome",
             [q(rate(req, "outcome", M))],
             "reqps",
-            "ok, http_error, connect_failed, timeout, client_disconnected, drain_timeout; router = the "
-            "router's own answer (worker none)",
+            "ok, http_error, connect_failed, timeout, client_disconnected, drain_timeout; "
+            "router = the router's own answer (worker none)",
         ),
         series("Requests by worker", [q(rate(req, "worker", f'{M}, worker=~"$worker"'))], "reqps"),
         series(
