@@ -54,6 +54,14 @@ def fixed_order(addresses: list[str]) -> Any:
     return FixedOrder(addresses, models=(MODEL,))
 
 
+async def until(ok: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not ok():
+        assert loop.time() < deadline, "never happened"
+        await asyncio.sleep(0.05)
+
+
 @contextlib.asynccontextmanager
 async def real_service(addresses: list[str]) -> AsyncIterator[Any]:
     """kvroute's own DecisionService (router.routing) over the fleet, its control plane

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
-from gateway_harness import MODEL, Gateway, fixed_order, gateway
+from gateway_harness import MODEL, Gateway, fixed_order, gateway, until
 
 from router.envoy.bootstrap import PICKER, Endpoint
 from router.extproc.endings import (
@@ -207,21 +207,13 @@ async def breaking_worker() -> AsyncIterator[Endpoint]:
         await server.wait_closed()
 
 
-async def _until(ok: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not ok():
-        assert loop.time() < deadline, "never happened"
-        await asyncio.sleep(0.05)
-
-
 async def _warm_up(gw: Gateway) -> None:
     """One completed request: Envoy opens its access-log stream with the first entry."""
     resp = await gw.complete("warm up", stream=True)
     assert resp.status_code == 200, resp.text[:300]
     assert gw.picker is not None
-    await _until(lambda: gw.picker is not None and gw.picker.endings.streams > 0)
-    await _until(lambda: gw.svc.inflight() == 0)
+    await until(lambda: gw.picker is not None and gw.picker.endings.streams > 0)
+    await until(lambda: gw.svc.inflight() == 0)
     (ticket,) = gw.svc.tickets
     assert ticket.events[-1][0] == "finish" and ticket.events[-1][1][0] == 200
 
@@ -262,7 +254,7 @@ async def test_a_hang_up_after_the_headers_is_told_from_a_completed_response(
         await _warm_up(gw)
         body = {"model": MODEL, "prompt": "long " * 20, "max_tokens": 300, "stream": True}
         await _stream(gw.envoy.url, body, cancel_after=0.5)
-        await _until(lambda: gw.svc.inflight() == 0)
+        await until(lambda: gw.svc.inflight() == 0)
         ticket = gw.svc.tickets[-1]
         assert ("first_token", None) in ticket.events  # the headers had come
         assert ticket.events[-1] == ("finish", (0, "client_disconnected")), ticket.events
@@ -293,7 +285,7 @@ async def test_a_worker_that_breaks_off_its_response_is_an_upstream_failure(
         gw.svc.workers[:] = [address, *gw.addresses]
         body = {"model": MODEL, "prompt": "break " * 20, "max_tokens": 50, "stream": True}
         await _stream(gw.envoy.url, body)
-        await _until(lambda: gw.svc.inflight() == 0)
+        await until(lambda: gw.svc.inflight() == 0)
         ticket = gw.svc.tickets[-1]
         assert ticket.events[0] == ("start", address)
         assert ticket.events[-1] == ("finish", (502, None)), ticket.events
@@ -320,7 +312,7 @@ async def test_without_the_access_log_every_request_is_still_concluded() -> None
     ) as gw:
         body = {"model": MODEL, "prompt": "long " * 20, "max_tokens": 300, "stream": True}
         await _stream(gw.envoy.url, body, cancel_after=0.5)
-        await _until(lambda: gw.svc.inflight() == 0, timeout_s=1.5)  # no 2 s wait for a log
+        await until(lambda: gw.svc.inflight() == 0, timeout_s=1.5)  # no 2 s wait for a log
         assert gw.picker is not None and gw.picker.endings.streams == 0
         ticket = gw.svc.tickets[-1]
         assert ticket.events[-1] == ("finish", (200, None)), ticket.events

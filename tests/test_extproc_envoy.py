@@ -9,7 +9,6 @@ import contextlib
 import json
 import sys
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from gateway_harness import (
     h2_post,
     real_service,
     served_by,
+    until,
     wait_cluster,
     wait_member,
 )
@@ -311,14 +311,6 @@ async def test_the_real_decision_service_routes_a_repeat_to_its_cache(mode: str)
         assert all(load._local[w].requests == 0 for w in load._local)  # every ticket finished
 
 
-async def _until(ok: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not ok():
-        assert loop.time() < deadline, "never happened"
-        await asyncio.sleep(0.05)
-
-
 def _by_hostname(addresses: list[str]) -> contextlib.AbstractAsyncContextManager[Any]:
     """The real DecisionService, told the workers by name (a gateway dials IP addresses)."""
     return real_service([a.replace("127.0.0.1", "localhost") for a in addresses])
@@ -356,7 +348,7 @@ async def test_data_parallel_ranks_are_asked_for_by_header(mode: str) -> None:
     async with gateway(body_mode=mode, workers=1, engine_args=dp, make_service=_by_hostname) as gw:
         svc = gw.svc
         endpoints = svc.fleet.workers
-        await _until(lambda: len(endpoints) == 2 and all(w.available for w in endpoints.values()))
+        await until(lambda: len(endpoints) == 2 and all(w.available for w in endpoints.values()))
         ranks = await _rank_prints(gw.urls[0], 2)
         picked: list[str] = []
         # distinct prompts until both ranks were picked: where each goes is the scorers' call
@@ -405,7 +397,7 @@ async def test_a_body_ended_by_trailers_is_decided(mode: str, padding: int) -> N
         )
         assert answer.status == 200, answer.body[:300]
         served = gw.prints[json.loads(answer.body)["system_fingerprint"]]
-        await _until(lambda: gw.svc.inflight() == 0)
+        await until(lambda: gw.svc.inflight() == 0)
         (ticket,) = gw.svc.tickets
         assert ticket.events[0] == ("start", served)
         assert [e[0] for e in ticket.events] == ["start", "first_token", "finish"]
@@ -436,7 +428,7 @@ async def test_a_client_hang_up_is_counted_as_one(
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        await _until(lambda: gw.svc.inflight() == 0)
+        await until(lambda: gw.svc.inflight() == 0)
         (ticket,) = gw.svc.tickets
         assert ticket.events[-1] == ("finish", (0, "client_disconnected")), ticket.events
 

@@ -14,17 +14,12 @@ from typing import Any
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from test_sim_http import BASE  # the same fast sim (max_model_len 3184)
 
 from engines.sim.cli import config_from_args, register
-from engines.sim.config import SimConfig
 from engines.sim.fleet import Fleet, run_fleet
-from engines.sim.latency import LatencyModel
 from engines.vllm.events import BlockStored, decode_wire
 
-FAST = LatencyModel(
-    ttft_base_ms=1, decode_ms_per_step=1, prefill_ms_per_token=0, attention_ms_per_mpair=0
-)
-BASE = SimConfig(latency=FAST, topic="kv-events", kv_blocks=200)  # max_model_len 3184
 CHAT = [{"role": "user", "content": "Hello there, how are you today?"}]
 
 
