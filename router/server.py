@@ -39,7 +39,13 @@ CUT_GRACE_S = 1.0  # after the drain timeout: the requests cut then send their a
 
 
 class RouterConfig(uvicorn.Config):
-    drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may finish
+    """uvicorn's config, and how long in-flight requests may finish after SIGTERM: uvicorn's
+    own graceful timeout is `CUT_GRACE_S` past it, for the cut requests' answers."""
+
+    def __init__(self, app: Any, *, drain_timeout_s: float, **kwargs: Any) -> None:
+        grace = math.ceil(drain_timeout_s + CUT_GRACE_S)
+        super().__init__(app, timeout_graceful_shutdown=grace, **kwargs)
+        self.drain_timeout_s = drain_timeout_s
 
 
 def protocol_with_header_timeout(timeout_s: float) -> type[asyncio.Protocol]:
@@ -112,9 +118,10 @@ def server_config(
     tls_cert: str | None = None,
     tls_key: str | None = None,
     loop: str = "uvloop",
-) -> uvicorn.Config:
-    config = RouterConfig(
+) -> RouterConfig:
+    return RouterConfig(
         app,
+        drain_timeout_s=drain_timeout_s,
         host=host,
         port=port,
         loop=loop,
@@ -125,18 +132,15 @@ def server_config(
         server_header=False,
         date_header=False,
         proxy_headers=False,  # X-Forwarded-* are ours to append, never trusted from clients
-        timeout_graceful_shutdown=math.ceil(drain_timeout_s + CUT_GRACE_S),
         ssl_certfile=tls_cert,
         ssl_keyfile=tls_key,
     )
-    config.drain_timeout_s = drain_timeout_s
-    return config
 
 
 class DrainingServer(uvicorn.Server):
     def __init__(
         self,
-        config: uvicorn.Config,
+        config: RouterConfig,
         on_drain: Callable[[], None],
         delay_s: float,
         child: bool = False,
@@ -146,10 +150,7 @@ class DrainingServer(uvicorn.Server):
         self.delay_s = delay_s
         self.child = child  # a `--processes` child: its supervisor ends a drain that hangs
         self.draining = False
-        grace = config.timeout_graceful_shutdown
-        self.drain_timeout_s: float = getattr(
-            config, "drain_timeout_s", grace if grace is not None else 30.0
-        )
+        self.drain_timeout_s = config.drain_timeout_s
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if sig == signal.SIGTERM and self.draining and self.child:
@@ -206,7 +207,7 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(
-    config: uvicorn.Config,
+    config: RouterConfig,
     on_drain: Callable[[], None],
     drain_delay_s: float,
     sockets: list[socket.socket] | None = None,
