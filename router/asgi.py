@@ -142,12 +142,8 @@ def sse_error(err: KvrouteError, tail: bytes = b"") -> bytes:
     """The last events of a stream the router cut short: the error, then [DONE]. `tail`:
     the stream's last bytes so far; an event they leave unfinished is ended first (blank
     lines between events are ignored), or the error would be glued onto it."""
-    return event_break(tail) + b"data: " + _json.encode(err.body()) + b"\n\ndata: [DONE]\n\n"
-
-
-def event_break(tail: bytes) -> bytes:
-    """What ends an SSE event that the stream's last bytes (`tail`) may leave open."""
-    return b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
+    event_break = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"
+    return event_break + b"data: " + _json.encode(err.body()) + b"\n\ndata: [DONE]\n\n"
 
 
 async def end_with_error(response: ResponseState, err: KvrouteError) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from router.asgi import Send, event_break
+from router.asgi import Send, sse_error
 from router.core.errors import UpstreamError, UpstreamTimeout
 from router.upstream import (
     Response,
@@ -212,7 +212,7 @@ class Forwarder:
                 await send(
                     {
                         "type": "http.response.body",
-                        "body": event_break(tail) + _sse_error(outcome.broken),
+                        "body": _sse_error(outcome.broken, tail),
                         "more_body": True,
                     }
                 )
@@ -249,22 +249,14 @@ class Forwarder:
         return outcome
 
 
-def _sse_error(cause: str) -> bytes:
-    """The last events of a stream cut short: an error in OpenAI's shape, then [DONE]."""
+def _sse_error(cause: str, tail: bytes) -> bytes:
+    """The last events of a stream cut short (`asgi.sse_error`): the worker's failure."""
     message = (
         "the worker stopped responding mid-stream"
         if cause == "timeout"
         else "the worker failed mid-stream"
     )
-    doc = {
-        "error": {
-            "message": message + "; the answer is incomplete",
-            "type": "upstream_error",
-            "param": None,
-            "code": 502,
-        }
-    }
-    return b"data: " + msgspec.json.encode(doc) + b"\n\ndata: [DONE]\n\n"
+    return sse_error(UpstreamError(message + "; the answer is incomplete"), tail)
 
 
 def cached_tokens_of(body: bytes) -> int | None:
