@@ -54,6 +54,12 @@ class RoutingInput:
         """A request without a prompt (GET, or a body kvroute does not read)."""
         return cls("none", model)
 
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """What a chat template gets beside the messages: the kwargs, and the tools."""
+        if self.tools is None:
+            return self.template_extra
+        return {**(self.template_extra or {}), "tools": self.tools}
+
     def keep_tokens(self, max_model_len: int | None) -> int | None:
         """How many prompt tokens vLLM keeps (`truncate_prompt_tokens`); None: all. A -1
         needs the context length: unknown, nothing is cut."""

@@ -235,9 +235,7 @@ class DecisionService:
                 return await tok.achat(
                     rin.messages,
                     add_generation_prompt=rin.add_generation_prompt,
-                    extra=rin.template_extra
-                    if rin.tools is None
-                    else {**(rin.template_extra or {}), "tools": rin.tools},
+                    extra=rin.template_kwargs(),
                     add_special_tokens=rin.add_special_tokens,
                     continue_final_message=rin.continue_final_message,
                     template_source=self._request_template(rin),

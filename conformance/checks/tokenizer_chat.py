@@ -227,13 +227,10 @@ def _folder(model_dir: Path, out: Path, template: str | None) -> Path:
 def _kvroute_tokens(local: LocalTokenizer, rin: RoutingInput) -> list[int]:
     """Tokens as the router's decision service asks for them (`router.routing`)."""
     assert rin.messages is not None
-    extra = rin.template_extra
-    if rin.tools is not None:
-        extra = {**(extra or {}), "tools": rin.tools}
     return local.chat(
         rin.messages,
         add_generation_prompt=rin.add_generation_prompt,
-        extra=extra,
+        extra=rin.template_kwargs(),
         add_special_tokens=rin.add_special_tokens,
         continue_final_message=rin.continue_final_message,
         template_source=rin.chat_template,  # as with --trust-request-chat-template
