@@ -30,8 +30,10 @@ from typing import Any, Protocol
 
 from envoy.data.accesslog.v3 import accesslog_pb2
 
+from router.asgi import CLIENT_GONE_OUTCOME
+
 COMPLETED = "completed"
-CLIENT_GONE = "client_disconnected"
+CLIENT_GONE = CLIENT_GONE_OUTCOME
 UPSTREAM_BROKE = "upstream_broke"  # the worker reset or closed a response that had started
 # Envoy's response code details for a worker that broke off after its response headers
 _BROKE_DETAILS = "upstream_reset_after_response_started"

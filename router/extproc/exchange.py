@@ -70,7 +70,6 @@ class Exchange:
         self.max_body_bytes = max_body_bytes
         self.endings = endings or ends.Endings()
         self.rid = ""  # Envoy's x-request-id, the access log's name for this request
-        self.expected = False  # told the endings this id is live (each such ends there)
         self.listening = False  # the endings will say how it ended
         self.body_bytes = 0
         self.duplex_request = False
@@ -184,8 +183,8 @@ class Exchange:
             raise NoWorkerAvailable("no eligible worker for this request")
         self.worker = self.picked = first = decision.ranked[0].worker
         self.ticket = self.svc.start(decision, first)
+        # a non-empty id is told live here, and forgotten or concluded when this ends
         self.listening = self.endings.expect(self.rid)
-        self.expected = bool(self.rid)
         # A data-parallel rank is asked for by a header, and the same header reaches
         # whichever fallback serves: the fallbacks are the endpoints it is right for (the
         # same rank, or none), one per address (ranks of one worker share its address).
@@ -249,7 +248,7 @@ class Exchange:
         if self.ticket is None:
             return
         ticket, self.ticket = self.ticket, None
-        if self.expected:
+        if self.rid:
             self.endings.forget(self.rid)
         self.svc.finish(ticket, status=self.status, cached_tokens=cached_tokens)
 
@@ -262,7 +261,7 @@ class Exchange:
         if self.listening:
             self.endings.when_known(self.rid, self._ended)
             return
-        if self.expected:
+        if self.rid:
             self.endings.forget(self.rid)
         self._ended(None)
 
@@ -283,7 +282,7 @@ class Exchange:
         elif ending == ends.COMPLETED and self.status:
             self.svc.finish(ticket, status=self.status)
         else:
-            self.svc.finish(ticket, status=0, outcome="client_disconnected")
+            self.svc.finish(ticket, status=0, outcome=ends.CLIENT_GONE)
 
 
 def _error(exc: KvrouteError) -> gie.ProcessingResponse:
