@@ -224,8 +224,14 @@ class LocalTokenizer:
         continue_final_message: bool = False,
         template_source: str | None = None,
     ) -> list[int]:
-        how = (add_generation_prompt, extra, continue_final_message, template_source)
-        key, hit, text = self._chat_text(messages, add_special_tokens, *how)
+        key, hit, text = self._chat_text(
+            messages,
+            add_generation_prompt,
+            extra,
+            add_special_tokens,
+            continue_final_message,
+            template_source,
+        )
         if hit is None:
             hit = self._tokens(key, text, specials=add_special_tokens)
         return hit.tolist()
@@ -240,8 +246,14 @@ class LocalTokenizer:
         continue_final_message: bool = False,
         template_source: str | None = None,
     ) -> Sequence[int]:
-        how = (add_generation_prompt, extra, continue_final_message, template_source)
-        key, hit, text = self._chat_text(messages, add_special_tokens, *how)
+        key, hit, text = self._chat_text(
+            messages,
+            add_generation_prompt,
+            extra,
+            add_special_tokens,
+            continue_final_message,
+            template_source,
+        )
         if hit is not None:
             return hit
         return await self._atokens(key, text, specials=add_special_tokens)
@@ -249,9 +261,9 @@ class LocalTokenizer:
     def _chat_text(
         self,
         messages: Sequence[Mapping[str, Any]],
-        add_special_tokens: bool,
         add_generation_prompt: bool,
         extra: Mapping[str, Any] | None,
+        add_special_tokens: bool,
         continue_final_message: bool,
         template_source: str | None,
     ) -> tuple[Any, Tokens | None, str]:
