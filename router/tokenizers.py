@@ -92,10 +92,8 @@ class TokenizerSet:
     def spec(self, model: str, base: str | None = None) -> str:
         """PATH or "remote" for a request naming `model` (`base`: its base model if it is
         a LoRA adapter)."""
-        for name in (model, base):
-            if name and name in self._specs:
-                return self._specs[name]
-        return self._default
+        owner = _first_in(self._specs, model, base)
+        return self._default if owner is None else self._specs[owner]
 
     def local(self, model: str, base: str | None = None) -> LocalTokenizer | None:
         """The local tokenizer for `model`, or None when it is tokenized remotely."""
