@@ -132,6 +132,7 @@ class RouterApp:
                 wait_s=config.peer_wait_ms / 1000 if config.has_replica_peers else 0.0,
             )
             self.routing.on_sent.append(self.peers.sent)
+            self.routing.on_withdrawn.append(self.peers.withdrawn)
             self.routing.before_pick.append(self.peers.drain)
             self.routing.placement_wait = self.peers.placement_wait
             self.routing.peers_linked = self.peers.linked

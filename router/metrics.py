@@ -143,7 +143,8 @@ class RouterMetrics:
         self.peer_placements = Counter(
             "kvroute_peer_placements_total",
             "Messages received from the other router replicas (--peer): placements applied "
-            "as predictions (applied), in-flight load reports (load), or dropped "
+            "as predictions (applied), placements taken back (withdrawn: a gateway's fallback "
+            "served the request elsewhere), in-flight load reports (load), or dropped "
             "(unknown_worker: the replicas' worker lists differ; malformed)",
             ["result"],
             registry=r,

@@ -40,6 +40,15 @@ an endpoint this replica does not know is counted and dropped (its worker list d
 fix is to give every replica the same workers), and so is a malformed message; nothing a
 peer sends can stop the receive loop. PUB drops when a peer is slow (high-water mark):
 placements are hints.
+
+A request that a gateway's fallback served elsewhere than on the endpoint it was placed on
+(`DecisionService.reassign`) is taken back from that endpoint on the peers too: a
+withdrawals message is b"withdrawals", then (endpoint, hashes) frame pairs as a placements
+message, each undoing the placement of that chain there (`TtlIndex.withdraw`). Without it a
+peer kept believing the endpoint held the prompt: for 5 s as a prediction, for 120 s as an
+approximate entry. A withdrawal leaves after the placements queued before it, so it never
+overtakes the placement it undoes. A replica of an earlier release counts one as
+`malformed`.
 """
 
 from __future__ import annotations
@@ -72,6 +81,7 @@ LOG_EVERY_S = 60.0  # a kind of bad placement is logged at most this often
 _BIG_ENDIAN = sys.byteorder == "big"
 LOAD = b"load"
 PLACEMENTS = b"placements"
+WITHDRAWALS = b"withdrawals"
 _LOAD = struct.Struct("<qqqq")
 _LOAD_OLD = struct.Struct("<qqq")  # before riders were published: read from older replicas
 HEARTBEAT_S = 1.0  # every worker's load republished this often (also: "this replica is alive")
@@ -90,9 +100,12 @@ async def _own_addresses() -> set[str]:
     return {str(info[4][0]) for info in infos}
 
 
-def encode(placements: Iterable[tuple[str, Sequence[int]]]) -> list[bytes]:
-    """One message of placements: b"placements", then (endpoint, hashes) frame pairs."""
-    frames = [PLACEMENTS]
+def encode(
+    placements: Iterable[tuple[str, Sequence[int]]], kind: bytes = PLACEMENTS
+) -> list[bytes]:
+    """One message of placements (or, `kind` WITHDRAWALS, of placements taken back):
+    the kind, then (endpoint, hashes) frame pairs."""
+    frames = [kind]
     for worker, hashes in placements:
         raw = array("Q", hashes)
         if _BIG_ENDIAN:
@@ -103,9 +116,9 @@ def encode(placements: Iterable[tuple[str, Sequence[int]]]) -> list[bytes]:
 
 def decode(frames: Sequence[bytes]) -> list[tuple[str, array[int]]]:
     """The (endpoint, hashes) of a placements message, or of the two frames of one placement
-    (what replicas sent before placements were batched: a rolling upgrade loses nothing);
-    ValueError if the frames are neither."""
-    pairs = frames[1:] if frames and frames[0] == PLACEMENTS else frames
+    (what replicas sent before placements were batched: a rolling upgrade loses nothing),
+    or of a withdrawals message; ValueError if the frames are none of these."""
+    pairs = frames[1:] if frames and frames[0] in (PLACEMENTS, WITHDRAWALS) else frames
     if (frames is pairs and len(frames) != 2) or len(pairs) % 2 or not pairs:
         raise ValueError(
             f"placements are b'placements' + (endpoint, uint64 hashes) pairs, got {len(frames)}"
@@ -190,7 +203,14 @@ class PlacementLink:
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self._pub: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
-        self.counts = {"applied": 0, "load": 0, "unknown_worker": 0, "malformed": 0, "self": 0}
+        self.counts = {
+            "applied": 0,
+            "withdrawn": 0,
+            "load": 0,
+            "unknown_worker": 0,
+            "malformed": 0,
+            "self": 0,
+        }
         self._warned: dict[str, float] = {}  # result -> when it was last logged
         self.replica = os.urandom(8)  # names this process's load reports (a restart: new id)
         self.heard: dict[str, float] = {}  # peer replica id -> when it last reported load
@@ -328,6 +348,15 @@ class PlacementLink:
         if not self._outbox:
             asyncio.get_running_loop().call_soon(self.flush)
         self._outbox.append((worker, hashes))
+
+    def withdrawn(self, worker: str, hashes: Sequence[int]) -> None:
+        """A request placed on `worker` was served elsewhere: tell the peers to take its
+        placement back, now, after the placements still queued (the one it undoes may be
+        among them: a peer must record it before it withdraws it)."""
+        if not hashes:
+            return
+        self.flush()
+        self._send(encode([(worker, hashes)], WITHDRAWALS))
 
     def placement_wait(self) -> float:
         """Seconds to wait before placing a new prefix: `wait_s` when a replica this one
@@ -494,6 +523,8 @@ class PlacementLink:
             placements = decode(frames)
         except (ValueError, UnicodeDecodeError) as exc:
             return [self._count("malformed", f"malformed placement from a peer dropped: {exc}")]
+        if frames[0] == WITHDRAWALS:
+            return [self._withdraw(worker, hashes) for worker, hashes in placements]
         return [self._place(worker, hashes) for worker, hashes in placements]
 
     def _place(self, worker: str, hashes: array[int]) -> str:
@@ -509,6 +540,18 @@ class PlacementLink:
             self.fleet.note_new_prefix(worker, len(hashes))
         ttl.record(worker, hashes)  # type: ignore[arg-type]
         return self._count("applied", None)
+
+    def _withdraw(self, worker: str, hashes: array[int]) -> str:
+        state = self.fleet.workers.get(worker)
+        if state is None:
+            return self._count(
+                "unknown_worker",
+                f"a peer withdrew a request from {worker!r}, which this replica does not "
+                "route to: give every replica the same workers",
+            )
+        ttl = self.fleet.predictions if state.mode == EVENTS else self.fleet.approx
+        ttl.withdraw(worker, cast("Sequence[RouterBlockHash]", hashes))
+        return self._count("withdrawn", None)
 
     def _new_here(self, hashes: array[int], ttl: TtlIndex) -> bool:
         """The peer placed a prefix this replica knows on no endpoint: it counts as a new

@@ -99,6 +99,9 @@ class DecisionService:
         # told (endpoint, block hashes) of every request sent: the replicas' placement link
         # (and whether its prefix was new: the link sends those at once)
         self.on_sent: list[Callable[[str, Sequence[int], bool], None]] = []
+        # told (worker, prompt's block hashes) when a request placed there was served
+        # elsewhere: the placement link takes it back on the other replicas
+        self.on_withdrawn: list[Callable[[str, Sequence[int]], None]] = []
         # called just before each pick: the placement link applies what the peers sent
         self.before_pick: list[Callable[[], object]] = []
         # seconds to wait before placing a new prefix (the placement link: a replica that
@@ -336,9 +339,12 @@ class DecisionService:
         self._release(ticket)
         old = self.fleet.workers.get(ticket.worker)
         if old is not None and old.caching:
+            hashes = ticket.decision.hashes.get(old.block_size, ())
             believed = self.fleet.predictions if old.mode == EVENTS else self.fleet.approx
-            believed.withdraw(old.name, ticket.decision.hashes.get(old.block_size, ()))
+            believed.withdraw(old.name, hashes)
             self.picker.withdraw(ticket.load)
+            for tell in self.on_withdrawn:
+                tell(old.name, hashes)
         return self.start(ticket.decision, worker)
 
     def release(self, ticket: Ticket) -> None:

@@ -31,6 +31,7 @@ from router.peers import (
     HEARTBEAT_S,
     LINK_WAIT_S,
     SILENT_S,
+    WITHDRAWALS,
     PlacementLink,
     decode,
     decode_load,
@@ -85,6 +86,24 @@ def test_a_placement_becomes_a_prediction_or_an_approximate_entry() -> None:
     assert link.apply([b"ev"]) == ["malformed"]
     assert seen == ["applied", "applied", "unknown_worker", "malformed"]
     assert "gone:1" not in fleet.predictions.find_matches(H)
+
+
+@pytest.mark.parametrize("mode", [EVENTS, APPROX])
+def test_a_withdrawal_takes_a_peers_placement_back(mode: str) -> None:
+    """A gateway's fallback served the peer's request elsewhere: what its placement made
+    this replica believe goes, and what this replica placed there itself stays."""
+    fleet = fleet_of(w=mode, v=mode)
+    believed = fleet.predictions if mode == EVENTS else fleet.approx
+    link = PlacementLink(fleet, None, [])
+    link.apply(encode([("w", H[:2])]))  # an earlier request, served there
+    link.apply(encode([("w", H)]))
+    assert believed.find_matches(H)["w"].blocks == len(H)
+    withdrawal = encode([("w", H), ("gone:1", H)], WITHDRAWALS)
+    assert decode(withdrawal)[0][0] == "w"
+    assert link.apply(withdrawal) == ["withdrawn", "unknown_worker"]
+    assert believed.find_matches(H)["w"].blocks == 2
+    assert link.apply([WITHDRAWALS, b"w"]) == ["malformed"]
+    assert link.counts["withdrawn"] == 1
 
 
 def test_a_peers_new_prefix_counts_here_and_its_repeat_does_not() -> None:
@@ -395,6 +414,22 @@ async def test_a_new_prefix_leaves_at_once_with_the_load_behind_it() -> None:
         assert b_fleet.predictions.find_matches(H)["w"].blocks == len(H)
         assert b_fleet.predictions.find_matches(other)["w"].blocks == len(other)
         assert b_fleet.load.view("w").requests == 2
+
+
+async def test_a_withdrawal_never_overtakes_the_placement_it_takes_back() -> None:
+    """The placement waits for the end of the loop's turn; a withdrawal sent in the same
+    turn must not arrive first, or the peer would withdraw nothing, then record it."""
+    async with joined() as (a, b):
+        assert b._sub_now is not None
+        a.sent("w", H)  # queued for the turn's end, which never comes here
+        a.withdrawn("w", H)
+        for _ in range(20):
+            b.drain()
+            if b.counts["withdrawn"]:
+                break
+            b._sub_now.poll(100)
+        assert b.counts["applied"] == 1 and b.counts["withdrawn"] == 1
+        assert "w" not in b.fleet.predictions.find_matches(H)
 
 
 async def prime(a: PlacementLink, b: PlacementLink) -> None:

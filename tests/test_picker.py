@@ -503,6 +503,19 @@ def test_approx_mode_follows_a_reassigned_request(
     assert c.approx.entries_of("w0") == w0_after
 
 
+def test_a_reassign_tells_the_other_replicas_what_to_take_back() -> None:
+    c = core(mode=APPROX)
+    svc = service(c)
+    told: list[tuple[str, list[int]]] = []
+    svc.on_withdrawn.append(lambda worker, hashes: told.append((worker, list(hashes))))
+    d = c.route(prompt(5), NS)
+    ticket = svc.start(d, "w0")
+    svc.reassign(ticket, "w0")  # served where it was started: nothing to take back
+    assert told == []
+    svc.reassign(ticket, "w1")
+    assert told == [("w0", list(d.hashes[BS]))]
+
+
 def test_load_bound_spills_a_hot_prefix() -> None:
     c = core(balance_abs=2, balance_rel=1.0)
     store(c, "w0", prompt(7))
