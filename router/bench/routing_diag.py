@@ -263,6 +263,14 @@ def report(
             for x in path
         )
         print(f"    {group} (worker:cached per request, in order sent): {steps}")
+    per_group: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)
+    for x in s:
+        per_group[x.group][names.get(x.worker or "", -1)] += 1
+    placed = "  ".join(
+        f"{g}:" + ",".join(f"w{k}x{n}" for k, n in sorted(per_group[g].items()))
+        for g in sorted(per_group)
+    )
+    print(f"  requests per group and worker: {placed}")
     served = collections.Counter(names.get(x.worker or "", -1) for x in s)
     print(f"  requests per worker: {[served.get(i, 0) for i in range(w.workers)]}")
     by_worker: dict[int, list[float]] = collections.defaultdict(list)
