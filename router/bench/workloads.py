@@ -16,7 +16,10 @@ worker.
   sibling-burst           12 bursts of 8 requests sharing one new 1,500-token prefix, each
                           burst sent at once (0 overlap is known before the first event)
   hot-prefix              half of 192 requests on one prefix, the rest on 12 others, 32 in
-                          flight on 4 workers: the hot prefix must spill
+                          flight on 4 workers: the hot prefix must spill (the ideal puts
+                          it on two workers; at the engines' default batch of 64 one
+                          worker still runs its stream at once, see docs/bench/history.md
+                          for the engines capped at 12)
   long-short-mix          4 6,000-token documents x 8 next to 160 short prompts on 8
                           300-token templates, 16 in flight, 4 workers
   vllm-prefix-repetition  vLLM's `prefix_repetition` as the issue ran it: 32 prefixes x
