@@ -16,6 +16,7 @@ from conformance.checks import (
     routing_quality,
     tokenizer,
     tokenizer_chat,
+    truncation,
     wire_format,
 )
 from conformance.registry import REGISTRY, Check
@@ -25,6 +26,7 @@ RUN_ORDER = (
     "chaining",
     "wire-format",
     "tokenizer",
+    "truncation",
     "metrics",
     "index-fidelity",
     "replay",
@@ -41,7 +43,7 @@ def registry() -> dict[str, Check]:
 
 
 __all__ = ["RUN_ORDER", "chaining", "faults", "fidelity", "fleet", "registry", "replay"]
-__all__ += ["metrics", "tokenizer", "tokenizer_chat"]
+__all__ += ["metrics", "tokenizer", "tokenizer_chat", "truncation"]
 __all__ += ["wire_format"]
 __all__ += ["pd"]
 __all__ += ["routing_quality"]

@@ -13,7 +13,9 @@ from engines.sim.errors import ApiError, bad_request, schema_error, schema_error
 from engines.sim.tokenizer import ChatTemplateError, SimTokenizer
 from engines.sim.validation import (
     MISSING,
+    NO_TRUNCATION,
     SamplingFields,
+    Truncation,
     before_checks,
     cache_salt,
     clamp,
@@ -22,6 +24,7 @@ from engines.sim.validation import (
     sampling_checks,
     suffix_check,
     token_budget_checks,
+    truncation,
 )
 
 
@@ -112,24 +115,35 @@ class Renderer:
         base = self.loras.get(name or "", NO_KEYS)
         return CacheKeys(base.lora_name, base.lora_path, base.lora_id, salt)
 
-    def completion_batch(self, body: Mapping[str, Any]) -> list[list[int]]:
+    def completion_batch(
+        self, body: Mapping[str, Any], cut: Truncation = NO_TRUNCATION
+    ) -> list[list[int]]:
         """Token ids of each prompt of a completion: a string, token ids, or a batch of
-        either (vLLM's `str | list[str] | list[int] | list[list[int]]`)."""
+        either (vLLM's `str | list[str] | list[int] | list[list[int]]`), truncated as `cut`
+        says."""
         prompt = body.get("prompt", MISSING)
         if prompt is MISSING or prompt is None:
             raise schema_error(("prompt",), "missing", "Field required", body)
+        special = get(body, "add_special_tokens", bool, True)
         if isinstance(prompt, str):
-            return [self.tokenizer.encode(prompt)]
+            return [self._encode(prompt, special, cut)]
         if isinstance(prompt, list) and prompt:
             if all(_is_token(t) for t in prompt):
-                return [list(prompt)]
+                return [cut.cut(list(prompt))]
             if all(isinstance(p, str) for p in prompt):
-                return [self.tokenizer.encode(p) for p in prompt]
+                return [self._encode(p, special, cut) for p in prompt]
             if all(isinstance(p, list) and all(_is_token(t) for t in p) for p in prompt):
-                return [list(p) for p in prompt]
+                return [cut.cut(list(p)) for p in prompt]
         raise schema_error(
             ("prompt",), "union", "Input should be a string or a list of token ids", prompt
         )
+
+    def _encode(self, text: str, special: bool, cut: Truncation) -> list[int]:
+        """A text prompt: the tokenizer truncates it, unless the request named a side (vLLM
+        then encodes it whole and slices)."""
+        if cut.side is None:
+            return self.tokenizer.encode(text, special, keep=cut.keep)
+        return cut.cut(self.tokenizer.encode(text, special))
 
     def tokenize_ids(self, body: Mapping[str, Any]) -> list[int]:
         """/tokenize: `messages`, or `prompt` as one string (vLLM's TokenizeRequest union of
@@ -147,7 +161,7 @@ class Renderer:
         add_special = get(body, "add_special_tokens", bool, True)
         return self.tokenizer.encode(prompt, add_special_tokens=add_special)
 
-    def chat_ids(self, body: Mapping[str, Any]) -> list[int]:
+    def chat_ids(self, body: Mapping[str, Any], cut: Truncation = NO_TRUNCATION) -> list[int]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise schema_error(("messages",), "missing", "Field required", body)
@@ -163,7 +177,11 @@ class Renderer:
         kwargs = get(body, "chat_template_kwargs", dict, None)
         add_special = get(body, "add_special_tokens", bool, False)
         try:
-            return self.tokenizer.encode_chat(messages, gen, cont, add_special, kwargs)
+            if cut.side is None:
+                return self.tokenizer.encode_chat(
+                    messages, gen, cont, add_special, kwargs, keep=cut.keep
+                )
+            return cut.cut(self.tokenizer.encode_chat(messages, gen, cont, add_special, kwargs))
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from None
 
@@ -210,7 +228,8 @@ class Renderer:
             suffix_check(body)
         budget = output_budget(body, chat)
         token_budget_checks(body, budget, self.max_model_len)
-        batch = [self.chat_ids(body)] if chat else self.completion_batch(body)
+        cut = truncation(body, budget, self.max_model_len)
+        batch = [self.chat_ids(body, cut)] if chat else self.completion_batch(body, cut)
         for ids in batch:
             self.check_length(ids)
         stop = stop_list(body)

@@ -44,10 +44,12 @@ async def collect(
 ) -> dict[str, Any]:
     """The whole response, once every choice has finished."""
     texts: dict[int, list[str]] = {}
+    ids: dict[int, list[int]] = {}
     final: dict[int, oa.Delta] = {}
     last_of_prompt: dict[int, oa.Delta] = {}  # the output vLLM reports a prompt from
     async for d in _deltas(w, gen, rid, chat):
         texts.setdefault(d.index, []).append(d.text)
+        ids.setdefault(d.index, []).extend(d.token_ids)
         if d.finish_reason is not None:
             final[d.index] = last_of_prompt[d.prompt] = d
     if any(d.finish_reason == "error" for d in final.values()):
@@ -61,7 +63,15 @@ async def collect(
     choices = [choice(d, "".join(texts[d.index])) for d in done]
     shape = oa.chat_body if chat else oa.completion_body
     params = last_of_prompt[0].kv_transfer_params
-    return shape(rid, created, gen.model, choices, u, params, w.fingerprint)
+    body = shape(rid, created, gen.model, choices, u, params, w.fingerprint)
+    if gen.return_token_ids:  # the prompt as the engine ran it (truncated), and the output
+        for c, d in zip(choices, done, strict=True):
+            c["token_ids"] = ids[d.index]
+            if not chat:
+                c["prompt_token_ids"] = gen.prompts[d.prompt].ids
+        if chat:
+            body["prompt_token_ids"] = gen.prompt_ids
+    return body
 
 
 async def stream(

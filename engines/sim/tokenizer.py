@@ -77,8 +77,23 @@ class SimTokenizer:
     def vocab_size(self) -> int:
         return int(self.tok.get_vocab_size(with_added_tokens=True))
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tok.encode(text, add_special_tokens=add_special_tokens).ids)
+    def encode(
+        self, text: str, add_special_tokens: bool = True, keep: int | None = None
+    ) -> list[int]:
+        """`keep`: at most this many ids, truncated as transformers truncates for vLLM (the
+        tokenizer's own truncation, from the left for a generative model): the text's ids
+        are cut from the left to leave room for the special tokens the post-processor adds,
+        and those stay."""
+        if keep is None:
+            return list(self.tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        enc = self.tok.encode(text, add_special_tokens=False)
+        post = self.tok.post_processor if add_special_tokens else None
+        added = post.num_special_tokens_to_add(False) if post is not None else 0
+        if len(enc.ids) + added > keep:
+            enc.truncate(max(keep - added, 0), direction="left")
+        if post is not None:
+            enc = self.tok.post_process(enc, add_special_tokens=True)
+        return list(enc.ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return str(self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
@@ -117,11 +132,12 @@ class SimTokenizer:
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
+        keep: int | None = None,
     ) -> list[int]:
         text = self.render_chat(
             messages, add_generation_prompt, continue_final_message, template_kwargs
         )
-        return self.encode(text, add_special_tokens=add_special_tokens)
+        return self.encode(text, add_special_tokens=add_special_tokens, keep=keep)
 
     @cached_property
     def word_ids(self) -> list[int]:

@@ -5,7 +5,7 @@
 2. (the model is looked up: 404)
 3. `suffix_check` (completions; the renderer has no FIM template for this model), then
    `token_budget_checks`: `TokenizeParams.__post_init__`, before the prompt is tokenized.
-4. (tokenize, context length)
+4. (tokenize, truncated as `truncation` says; then the context length)
 5. `sampling_checks` per prompt: `SamplingParams._verify_args`, with max_tokens already
    clamped to the room the prompt leaves (`get_max_tokens`), then the greedy-sampling check.
 """
@@ -89,6 +89,15 @@ def before_checks(body: Mapping[str, Any], chat: bool) -> None:
             )
     if body.get("stream_options") and not body.get("stream"):
         raise invalid("Stream options can only be defined when `stream=True`.", "stream_options")
+    side = body.get("truncation_side")
+    if side is not None and side not in ("left", "right"):
+        raise schema_error(
+            ("truncation_side",),
+            "literal_error",
+            "Input should be 'left' or 'right'",
+            side,
+            {"expected": "'left' or 'right'"},
+        )
 
 
 def cache_salt(body: Mapping[str, Any]) -> str | None:
@@ -173,6 +182,37 @@ def token_budget_checks(body: Mapping[str, Any], budget: Budget, max_model_len: 
             "truncate_prompt_tokens",
             truncate,
         )
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """What vLLM's `TokenizeParams` keeps of a prompt: `keep` ids (None: all), from `side`
+    ("left" keeps the last ones, "right" the first; None: the tokenizer's own truncation,
+    which for a generative model is from the left and keeps the special tokens it adds)."""
+
+    keep: int | None = None
+    side: str | None = None
+
+    def cut(self, ids: list[int]) -> list[int]:
+        """`TokenizeParams._truncation_slice` over ids already encoded: a prompt of token
+        ids, or one encoded whole because the request named a side."""
+        if self.keep is None or self.keep >= len(ids):
+            return ids
+        if self.keep == 0:
+            return []
+        return ids[: self.keep] if self.side == "right" else ids[-self.keep :]
+
+
+NO_TRUNCATION = Truncation()
+
+
+def truncation(body: Mapping[str, Any], budget: Budget, max_model_len: int) -> Truncation:
+    """`truncate_prompt_tokens` -1 is `max_truncation_tokens`: the context, less one token
+    held back when the request asks for any output (so the prompt leaves room for it)."""
+    keep = get(body, "truncate_prompt_tokens", int, None)
+    if keep is not None and keep < 0:
+        keep = max_model_len - 1 if budget.max_tokens else max_model_len
+    return Truncation(keep, get(body, "truncation_side", str, None))
 
 
 def clamp(budget: Budget, room: int) -> int:
