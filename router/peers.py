@@ -528,30 +528,33 @@ class PlacementLink:
         return [self._place(worker, hashes) for worker, hashes in placements]
 
     def _place(self, worker: str, hashes: array[int]) -> str:
-        state = self.fleet.workers.get(worker)
-        if state is None:
-            return self._count(
-                "unknown_worker",
-                f"a peer placed a request on {worker!r}, which this replica does not route "
-                "to: give every replica the same workers",
-            )
-        ttl = self.fleet.predictions if state.mode == EVENTS else self.fleet.approx
+        ttl = self._believed(worker, "placed a request on")
+        if ttl is None:
+            return "unknown_worker"
         if self._new_here(hashes, ttl):
             self.fleet.note_new_prefix(worker, len(hashes))
         ttl.record(worker, hashes)  # type: ignore[arg-type]
         return self._count("applied", None)
 
     def _withdraw(self, worker: str, hashes: array[int]) -> str:
-        state = self.fleet.workers.get(worker)
-        if state is None:
-            return self._count(
-                "unknown_worker",
-                f"a peer withdrew a request from {worker!r}, which this replica does not "
-                "route to: give every replica the same workers",
-            )
-        ttl = self.fleet.predictions if state.mode == EVENTS else self.fleet.approx
+        ttl = self._believed(worker, "withdrew a request from")
+        if ttl is None:
+            return "unknown_worker"
         ttl.withdraw(worker, cast("Sequence[RouterBlockHash]", hashes))
         return self._count("withdrawn", None)
+
+    def _believed(self, worker: str, did: str) -> TtlIndex | None:
+        """Where what a peer says of `worker` goes: predictions, or approximate entries for
+        an endpoint without events. None, counted and logged: an endpoint unknown here."""
+        state = self.fleet.workers.get(worker)
+        if state is None:
+            self._count(
+                "unknown_worker",
+                f"a peer {did} {worker!r}, which this replica does not route to: give every "
+                "replica the same workers",
+            )
+            return None
+        return self.fleet.predictions if state.mode == EVENTS else self.fleet.approx
 
     def _new_here(self, hashes: array[int], ttl: TtlIndex) -> bool:
         """The peer placed a prefix this replica knows on no endpoint: it counts as a new
