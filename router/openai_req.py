@@ -198,7 +198,8 @@ def _output_reserved(kind: str, doc: dict[str, Any]) -> bool:
     if kind == "chat":
         value = doc.get("max_completion_tokens")
         return bool(value if value is not None else doc.get("max_tokens"))
-    return bool(doc.get("max_tokens", 16))
+    value = doc.get("max_tokens")
+    return bool(16 if value is None else value)  # null is 16 too (normalize_null_max_tokens)
 
 
 def _completion(doc: dict[str, Any], common: dict[str, Any]) -> RoutingInput:

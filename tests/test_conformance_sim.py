@@ -72,7 +72,7 @@ def test_sim_evidence_is_substantive(sim_report: tuple[int, dict[str, Any]]) -> 
     }
     assert checks["chaining-32byte"]["captured_frames"]["hash_kinds"] == ["32-byte"]
     cut = checks["truncation"]
-    assert len(cut["cases_cut_by_the_engine"]) >= 8
+    assert cut["cases_cut"] >= 12
     assert all(case["equal"] for case in cut["cases"].values())
     assert checks["replay"]["after_restart"]["full"]["restarts"] == 1
     quality = checks["routing-quality"]

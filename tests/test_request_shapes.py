@@ -238,6 +238,7 @@ async def test_truncation_past_the_context_length_is_refused_as_vllm_does() -> N
     [
         ("completion", {"truncate_prompt_tokens": -1}, MAX_MODEL_LEN - 1),
         ("completion", {"truncate_prompt_tokens": -1, "max_tokens": 0}, MAX_MODEL_LEN),
+        ("completion", {"truncate_prompt_tokens": -1, "max_tokens": None}, MAX_MODEL_LEN - 1),
         ("chat", {"truncate_prompt_tokens": -1}, MAX_MODEL_LEN),
         ("chat", {"truncate_prompt_tokens": -1, "max_completion_tokens": 5}, MAX_MODEL_LEN - 1),
         ("completion", {"truncate_prompt_tokens": 7}, 7),
@@ -246,6 +247,7 @@ async def test_truncation_past_the_context_length_is_refused_as_vllm_does() -> N
     ids=[
         "completion-minus-1",
         "completion-minus-1-no-output",
+        "completion-minus-1-null-max-tokens-is-16",
         "chat-minus-1-no-max",
         "chat-minus-1-with-max",
         "explicit",

@@ -236,6 +236,20 @@ REFUSED = [
         id="truncate_prompt_tokens",
     ),
     pytest.param(
+        "/v1/completions",  # vLLM's engine input check, after the sampling ones
+        {"prompt": "hello there world", "truncate_prompt_tokens": 0},
+        None,
+        "The decoder prompt cannot be empty",
+        id="truncated-to-nothing",
+    ),
+    pytest.param(
+        "/v1/completions",  # fits the context, leaving no room for output
+        {"prompt": [5 + i % 2000 for i in range(3184)]},
+        "max_tokens",
+        "max_tokens must be at least 1, got 0. (parameter=max_tokens, value=0)",
+        id="prompt-of-exactly-the-context",
+    ),
+    pytest.param(
         "/v1/completions",
         {"prompt": "x", "min_tokens": 20},
         None,

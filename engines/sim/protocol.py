@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engines.sim.blockpool import NO_KEYS, CacheKeys
-from engines.sim.errors import ApiError, bad_request, schema_error, schema_errors
+from engines.sim.errors import ApiError, bad_request, invalid, schema_error, schema_errors
 from engines.sim.tokenizer import ChatTemplateError, SimTokenizer
 from engines.sim.validation import (
     MISSING,
@@ -140,7 +140,9 @@ class Renderer:
 
     def _encode(self, text: str, special: bool, cut: Truncation) -> list[int]:
         """A text prompt: the tokenizer truncates it, unless the request named a side (vLLM
-        then encodes it whole and slices)."""
+        then encodes it whole and slices); either way vLLM keeps nothing of it for 0."""
+        if cut.keep == 0:
+            return []
         if cut.side is None:
             return self.tokenizer.encode(text, special, keep=cut.keep)
         return cut.cut(self.tokenizer.encode(text, special))
@@ -177,6 +179,8 @@ class Renderer:
         kwargs = get(body, "chat_template_kwargs", dict, None)
         add_special = get(body, "add_special_tokens", bool, False)
         try:
+            if cut.keep == 0:
+                return []
             if cut.side is None:
                 return self.tokenizer.encode_chat(
                     messages, gen, cont, add_special, kwargs, keep=cut.keep
@@ -205,19 +209,25 @@ class Renderer:
         return batch[0]
 
     def check_length(self, ids: Sequence[int]) -> None:
-        if not ids:
-            raise bad_request("The prompt cannot be empty.", "prompt")
-        vocab = self.tokenizer.vocab_size
-        bad = next((t for t in ids if t >= vocab), None)
-        if bad is not None:
-            raise bad_request(f"Token id {bad} is out of vocabulary", "prompt")
-        if len(ids) >= self.max_model_len:
+        """The renderer's length check (`_token_len_check`): a prompt of exactly the context
+        passes it, and then fails the sampling check, its max_tokens clamped to 0."""
+        if len(ids) > self.max_model_len:
             raise bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"your prompt contains {len(ids)} input tokens, which exceeds this limit even "
                 "without any output tokens. Please reduce the length of the input prompt.",
                 "input_tokens",
             )
+
+    def check_tokens(self, ids: Sequence[int]) -> None:
+        """The engine's input checks, after the sampling ones: an empty prompt (a request
+        truncated to 0 tokens) and ids out of the vocabulary."""
+        if not ids:
+            raise invalid("The decoder prompt cannot be empty")
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise bad_request(f"Token id {bad} is out of vocabulary", "prompt")
 
     def generate_request(self, body: Mapping[str, Any], chat: bool) -> GenerateRequest:
         """Check `body` in vLLM's order (see engines.sim.validation) and render it."""
@@ -237,6 +247,8 @@ class Renderer:
         prompts = [Prompt(ids, clamp(budget, self.max_model_len - len(ids))) for ids in batch]
         for p in prompts:
             sampling_checks(body, fields, p.max_tokens)
+        for p in prompts:
+            self.check_tokens(p.ids)
         options = get(body, "stream_options", dict, None) or {}
         stream = bool(get(body, "stream", bool, None))
         include_usage = stream and bool(options.get("include_usage"))
