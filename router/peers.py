@@ -47,8 +47,9 @@ withdrawals message is b"withdrawals", then (endpoint, hashes) frame pairs as a 
 message, each undoing the placement of that chain there (`TtlIndex.withdraw`). Without it a
 peer kept believing the endpoint held the prompt: for 5 s as a prediction, for 120 s as an
 approximate entry. A withdrawal leaves after the placements queued before it, so it never
-overtakes the placement it undoes. A replica of an earlier release counts one as
-`malformed`.
+overtakes the placement it undoes; one whose placement never arrived here, or expired,
+takes nothing back (`unmatched_withdrawal`). A replica of an earlier release counts one
+as `malformed`.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ HEARTBEAT_S = 1.0  # every worker's load republished this often (also: "this rep
 LINK_WAIT_S = 2.0  # /ready waits at most this long after the start to hear every peer
 SILENT_S = 3.5  # a replica not heard from this long: its load no longer counts
 LOAD_FLUSH_S = 0.002  # load changes of this long are published as one report per endpoint
+RECEIVED_MAX = 200_000  # peers' placements remembered for their withdrawals (~100 B each)
 DRAIN_MAX = 10_000  # messages one drain applies at most (a pick must not wait on a flood)
 CATCH_UP_S = 0.02  # between picks, what the peers sent is applied this often
 
@@ -206,12 +208,16 @@ class PlacementLink:
         self.counts = {
             "applied": 0,
             "withdrawn": 0,
+            "unmatched_withdrawal": 0,
             "load": 0,
             "unknown_worker": 0,
             "malformed": 0,
             "self": 0,
         }
         self._warned: dict[str, float] = {}  # result -> when it was last logged
+        # (endpoint, chain's last hash) -> when peers' placements of it arrived, oldest
+        # first: what a withdrawal may take back (`_withdraw`)
+        self._received: dict[tuple[str, int], list[float]] = {}
         self.replica = os.urandom(8)  # names this process's load reports (a restart: new id)
         self.heard: dict[str, float] = {}  # peer replica id -> when it last reported load
         # (replica, endpoint) -> when its load there was last reported: a replica that stops
@@ -517,29 +523,43 @@ class PlacementLink:
         """Record one message from a peer: each placement becomes a prediction here, each
         load report replaces that replica's last on its endpoint; returns the results
         counted (a malformed message is one result)."""
+        now = time.monotonic() if now is None else now
         if frames and frames[0] == LOAD:
-            return self._apply_load(frames, time.monotonic() if now is None else now)
+            return self._apply_load(frames, now)
         try:
             placements = decode(frames)
         except (ValueError, UnicodeDecodeError) as exc:
             return [self._count("malformed", f"malformed placement from a peer dropped: {exc}")]
         if frames[0] == WITHDRAWALS:
-            return [self._withdraw(worker, hashes) for worker, hashes in placements]
-        return [self._place(worker, hashes) for worker, hashes in placements]
+            return [self._withdraw(worker, hashes, now) for worker, hashes in placements]
+        return [self._place(worker, hashes, now) for worker, hashes in placements]
 
-    def _place(self, worker: str, hashes: array[int]) -> str:
+    def _place(self, worker: str, hashes: array[int], now: float) -> str:
         ttl = self._believed(worker, "placed a request on")
         if ttl is None:
             return "unknown_worker"
         if self._new_here(hashes, ttl):
             self.fleet.note_new_prefix(worker, len(hashes))
         ttl.record(worker, hashes)  # type: ignore[arg-type]
+        if hashes:
+            self._received.setdefault((worker, hashes[-1]), []).append(now)
+            if len(self._received) > RECEIVED_MAX:
+                del self._received[next(iter(self._received))]
         return self._count("applied", None)
 
-    def _withdraw(self, worker: str, hashes: array[int]) -> str:
+    def _withdraw(self, worker: str, hashes: array[int], now: float) -> str:
+        """Take back a placement this replica recorded and still holds. One it never got
+        (a message lost), or whose entries expired, must not take back this replica's own
+        record of the same chain there: that is `unmatched_withdrawal`."""
         ttl = self._believed(worker, "withdrew a request from")
         if ttl is None:
             return "unknown_worker"
+        key = (worker, hashes[-1] if hashes else -1)
+        times = [t for t in self._received.pop(key, ()) if now - t < ttl.ttl_s]
+        if not times:
+            return self._count("unmatched_withdrawal", None)
+        if len(times) > 1:
+            self._received[key] = times[1:]
         ttl.withdraw(worker, cast("Sequence[RouterBlockHash]", hashes))
         return self._count("withdrawn", None)
 

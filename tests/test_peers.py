@@ -106,6 +106,30 @@ def test_a_withdrawal_takes_a_peers_placement_back(mode: str) -> None:
     assert link.counts["withdrawn"] == 1
 
 
+@pytest.mark.parametrize("mode", [EVENTS, APPROX])
+def test_a_withdrawal_of_a_placement_never_received_or_expired_keeps_this_replicas_own(
+    mode: str,
+) -> None:
+    """The peer's placement was lost (a reconnect, a full queue) or its entries expired;
+    this replica sent the same prompt there itself: the withdrawal must not take that
+    back. A placement received twice is taken back once per withdrawal."""
+    fleet = fleet_of(w=mode)
+    believed = fleet.predictions if mode == EVENTS else fleet.approx
+    link = PlacementLink(fleet, None, [])
+    believed.record("w", H)  # this replica's own request
+    assert link.apply(encode([("w", H)], WITHDRAWALS), now=0.0) == ["unmatched_withdrawal"]
+    assert believed.find_matches(H)["w"].blocks == len(H)
+    link.apply(encode([("w", H[:3])]), now=0.0)
+    late = believed.ttl_s + 1
+    assert link.apply(encode([("w", H[:3])], WITHDRAWALS), now=late) == ["unmatched_withdrawal"]
+    link.apply(encode([("w", H[:2])]), now=0.0)
+    link.apply(encode([("w", H[:2])]), now=0.0)
+    results = [link.apply(encode([("w", H[:2])], WITHDRAWALS), now=1.0)[0] for _ in range(3)]
+    assert results == ["withdrawn", "withdrawn", "unmatched_withdrawal"]
+    assert link.apply([WITHDRAWALS, b"w", b""], now=1.0) == ["unmatched_withdrawal"]
+    assert believed.find_matches(H)["w"].blocks == len(H)
+
+
 def test_a_peers_new_prefix_counts_here_and_its_repeat_does_not() -> None:
     """A placement of blocks this replica knows on no endpoint is a new prefix there, as it
     was for the peer; a later turn of it, or a sibling this replica placed itself, is not."""
