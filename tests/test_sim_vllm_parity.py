@@ -163,6 +163,30 @@ async def test_each_sample_stores_and_looks_up_its_blocks_as_its_own_request(
     assert generated_parents.count(prompt_blocks[-1]) == 2  # both samples extend the prompt
 
 
+async def test_return_token_ids_gives_the_prompt_run_and_the_output(
+    client: httpx.AsyncClient,
+) -> None:
+    """vLLM's `return_token_ids`: the prompt as the engine ran it (truncated here, BOS
+    kept) and each choice's output ids; streamed, a choice's prompt ids come on its first
+    chunk and every chunk carries its own new ids (chat: the prompt on the role chunk)."""
+    body = {"prompt": "word " * 50, "max_tokens": 4, "ignore_eos": True, "return_token_ids": True}
+    whole = await client.post("/v1/completions", json={**body, "truncate_prompt_tokens": 10})
+    choice = whole.json()["choices"][0]
+    assert len(choice["prompt_token_ids"]) == 10 and len(choice["token_ids"]) == 4
+    streamed = await client.post("/v1/completions", json={**body, "stream": True, "n": 2})
+    chunks = [c["choices"][0] for c in sse(streamed.text) if c.get("choices")]
+    for i in (0, 1):
+        mine = [c for c in chunks if c["index"] == i]
+        assert mine[0]["prompt_token_ids"] and not any(c["prompt_token_ids"] for c in mine[1:])
+        assert sum(len(c["token_ids"]) for c in mine) == 4
+    chat = {"messages": CHAT, "max_tokens": 2, "ignore_eos": True, "return_token_ids": True}
+    chat["stream"] = True
+    events = sse((await client.post("/v1/chat/completions", json=chat)).text)
+    assert events[0]["prompt_token_ids"] and events[0]["choices"][0]["delta"]["role"]
+    deltas = [e["choices"][0].get("token_ids") or [] for e in events if e.get("choices")]
+    assert sum(len(ids) for ids in deltas) == 2
+
+
 # ---- 2. requests vLLM refuses --------------------------------------------------------------
 
 LONG_PROMPT = "x " * 5000

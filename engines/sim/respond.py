@@ -83,6 +83,8 @@ async def stream(
     if chat:
         for i in range(gen.n):
             chunk = oa.chat_role_chunk(rid, created, gen.model, i)
+            if gen.return_token_ids:
+                chunk["prompt_token_ids"] = gen.prompt_ids
             if gen.continuous_usage:  # vLLM: usage on the role chunk too, 0 completion tokens
                 chunk["usage"] = _running_usage(len(gen.prompt_ids), 0, chat)
             yield dumps(chunk)
@@ -94,8 +96,14 @@ async def stream(
             break
         if first is None:
             first = d
+        chunk = _chunk(w, gen, rid, created, chat, d)
+        if gen.return_token_ids:  # each delta's ids; a completion's prompt on its first
+            choice = chunk["choices"][0]
+            choice["token_ids"] = d.token_ids
+            if not chat and d.index not in tokens:
+                choice["prompt_token_ids"] = gen.prompts[d.prompt].ids
         tokens[d.index] = d.completion_tokens
-        yield dumps(_chunk(w, gen, rid, created, chat, d))
+        yield dumps(chunk)
     else:
         if gen.include_usage and first is not None:
             completion = sum(tokens.values())
