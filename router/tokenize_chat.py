@@ -125,12 +125,43 @@ def token_text(value: Any) -> str:
     return "" if value is None else str(value)
 
 
+# The key of a multimodal processor's template among a folder's templates: not a name a
+# request or a configuration can give.
+PROCESSOR = "\x00processor"
+PROCESSOR_CONFIGS = (
+    "processor_config.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+)
+
+
+def processor_template(folder: Path) -> str | None:
+    """The chat template of the folder's multimodal processor, which vLLM renders a chat
+    without tools with before the tokenizer's (`resolve_chat_template`: AutoProcessor's,
+    when it loads a processor). As transformers' processor loads it: processor_config.json's
+    `chat_template`, else chat_template.json's (legacy), else chat_template.jinja. A folder
+    without a processor's configuration has none: AutoProcessor gives its tokenizer."""
+    if not any((folder / name).is_file() for name in PROCESSOR_CONFIGS):
+        return None
+    for name in ("processor_config.json", "chat_template.json"):
+        path = folder / name
+        if path.is_file():
+            value = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
+            if isinstance(value, dict):
+                value = value.get("default")
+            if isinstance(value, str):
+                return value
+    single = folder / "chat_template.jinja"
+    return single.read_text(encoding="utf-8") if single.is_file() else None
+
+
 def chat_templates(
     folder: Path, cfg: Mapping[str, Any], fmt: str = "auto"
 ) -> dict[str, ChatTemplate]:
     """The folder's templates by name, as transformers loads them: `chat_template.jinja` and
     `additional_chat_templates/*.jinja` when there are any (they win), else the
-    tokenizer_config.json entry (one template, or a list of named ones)."""
+    tokenizer_config.json entry (one template, or a list of named ones); and under
+    `PROCESSOR` a multimodal processor's (`processor_template`)."""
     sources = {}
     single = folder / "chat_template.jinja"
     if single.is_file():
@@ -145,11 +176,17 @@ def chat_templates(
             sources = {t["name"]: t["template"] for t in entry}
         elif entry:
             sources["default"] = entry
+    processor = processor_template(folder)
+    if processor is not None:
+        sources[PROCESSOR] = processor
     return {name: compile_template(source, fmt) for name, source in sources.items()}
 
 
 def pick(templates: Mapping[str, ChatTemplate], tools: Any) -> ChatTemplate | None:
-    """The template a request gets: "tool_use" when it carries tools and there is one."""
+    """The template a request gets, in vLLM's order: without tools, a multimodal
+    processor's; "tool_use" when it carries tools and there is one; else the default."""
+    if tools is None and PROCESSOR in templates:
+        return templates[PROCESSOR]
     if tools is not None and "tool_use" in templates:
         return templates["tool_use"]
     return templates.get("default")

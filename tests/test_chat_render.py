@@ -441,3 +441,47 @@ def test_tool_call_arguments_nested_past_the_parsers_depth_are_an_empty_object()
     msgs = [{"role": "assistant", "content": None, "tool_calls": [call]}]
     (out,) = conversation(msgs, "string", speaks_developer=True)
     assert out["tool_calls"][0]["function"]["arguments"] == {}
+
+
+# ---- a multimodal processor's template ---------------------------------------------------
+
+PROC = "{{ bos_token }}{% for m in messages %}[P {{ m['role'] }}] {{ m['content'] }}{% endfor %}"
+
+
+def folder_with(tmp_path: Path, files: Mapping[str, str]) -> Path:
+    """The packaged tokenizer's folder, plus `files`."""
+    out = tmp_path / "model"
+    out.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_bytes((PACKAGED_TOKENIZER / name).read_bytes())
+    for name, text in files.items():
+        (out / name).write_text(text)
+    return out
+
+
+PREPROCESSOR = json.dumps({"processor_class": "LlavaProcessor"})
+
+
+@pytest.mark.parametrize(
+    ("files", "processor"),
+    [
+        ({"preprocessor_config.json": PREPROCESSOR, "chat_template.json": json.dumps({"chat_template": PROC})}, True),  # noqa: E501
+        ({"processor_config.json": json.dumps({"chat_template": PROC})}, True),
+        ({"chat_template.json": json.dumps({"chat_template": PROC})}, False),
+        ({"preprocessor_config.json": PREPROCESSOR}, False),
+    ],
+    ids=["legacy-chat-template-json", "processor-config-key", "no-processor", "no-template"],
+)  # fmt: skip
+def test_a_multimodal_processors_template_renders_chats_without_tools(
+    tmp_path: Path, files: Mapping[str, str], processor: bool
+) -> None:
+    """vLLM renders a chat without tools with AutoProcessor's template, before the
+    tokenizer's; a folder without a processor's configuration has no processor (checked
+    against vLLM 0.32 by the tokenizer-chat conformance check)."""
+    local = LocalTokenizer(folder_with(tmp_path, files))
+    chat = [{"role": "user", "content": "Hello"}]
+    text = local.render_chat(chat, add_generation_prompt=False)
+    assert ("[P user] Hello" in text) == processor
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    with_tools = local.render_chat(chat, add_generation_prompt=False, extra={"tools": [tool]})
+    assert "[P user]" not in with_tools  # with tools: the tokenizer's template

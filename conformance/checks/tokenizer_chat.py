@@ -5,7 +5,8 @@ definitions and tool calls (JSON arguments, malformed ones, empty lists), docume
 `continue_final_message` (string and list content, trailing spaces), developer messages
 folded into the system message, the "openai" content format (a template that loops over a
 message's parts, extra part fields included), and media: kvroute's tokens for a chat with
-an image are the head of the engine's for the same chat with the image as text.
+an image are the head of the engine's for the same chat with the image as text; and a
+multimodal processor's own chat template, which vLLM renders chats without tools with.
 
 vLLM only (the simulator renders string content only). The engine is the check's own,
 started with `--trust-request-chat-template` so that a request may carry the template;
@@ -81,6 +82,8 @@ CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
 # (name, template, body fields)
 CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("text-parts", "own", {"messages": [{"role": "user", "content": TEXT_PARTS}]}),
+    # with tools vLLM skips the processor's template for the tokenizer's
+    ("own-with-tools", "own", {"messages": [USER], "tools": [WEATHER]}),
     (
         "empty-parts",  # dropped before a string template, kept for an openai one
         "own",
@@ -212,15 +215,41 @@ def _media_chat(part: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 
 def _folder(model_dir: Path, out: Path, template: str | None) -> Path:
-    """The model's tokenizer files, with `template` as its chat template."""
+    """The model's tokenizer files with `template` as its chat template; None: its own, and
+    its processor's files (a template the engine gets by request replaces both)."""
     out.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "special_tokens_map.json"):
+    names = ("tokenizer.json", "special_tokens_map.json")
+    for name in names if template is not None else (*names, *PROCESSOR_FILES):
         if (model_dir / name).exists():
             shutil.copyfile(model_dir / name, out / name)
     config = json.loads((model_dir / "tokenizer_config.json").read_text())
     if template is not None:
         config["chat_template"] = template
     (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
+
+
+# A multimodal processor (transformers' LlavaProcessor over an image processor's config,
+# no weights), whose chat template vLLM renders a chat without tools with, before the
+# tokenizer's: the model's own template with a mark in front, so the two tell apart.
+PROCESSOR_FILES = ("preprocessor_config.json", "chat_template.json")
+PREPROCESSOR = {
+    "processor_class": "LlavaProcessor",
+    "image_processor_type": "CLIPImageProcessor",
+    "crop_size": {"height": 224, "width": 224},
+    "size": {"shortest_edge": 224},
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
+PROCESSOR_MARK = "[processor] "
+
+
+def _with_processor(model_dir: Path, out: Path) -> Path:
+    """A copy of the model's folder with a multimodal processor and its chat template."""
+    shutil.copytree(model_dir, out, dirs_exist_ok=True)
+    own = json.loads((model_dir / "tokenizer_config.json").read_text())["chat_template"]
+    (out / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
+    (out / "chat_template.json").write_text(json.dumps({"chat_template": PROCESSOR_MARK + own}))
     return out
 
 
@@ -261,8 +290,8 @@ def _record(f: Findings, case: str, mine: list[int], theirs: list[int], head: bo
     targets=("vllm",),
 )
 async def tokenizer_chat(ctx: Context, f: Findings) -> None:
-    model_dir = ctx.tokenizer_dir
     work = ctx.folder("tokenizer-chat")
+    model_dir = _with_processor(ctx.tokenizer_dir, work / "model")
     locals_ = {
         name: LocalTokenizer(_folder(model_dir, work / name, t), piece_chars=24, fine_chars=6)
         for name, t in TEMPLATES.items()
@@ -307,6 +336,13 @@ async def tokenizer_chat(ctx: Context, f: Findings) -> None:
                 _record(f, name, mine, theirs, head=True)
                 f.require(len(mine) >= 32, f"{name}: the text before the image fills no block")
     f.require(compared > len(CASES), "no case used a template given by flag or by request")
+    plain_chat = locals_["own"].render_chat([USER])
+    tools_chat = locals_["own"].render_chat([USER], extra={"tools": [WEATHER]})
+    f.require(
+        plain_chat.startswith(PROCESSOR_MARK) and not tools_chat.startswith(PROCESSOR_MARK),
+        "the processor's template did not render the chats without tools, so the cases "
+        "equal to the engine's prove nothing of it",
+    )
     f.note("compared", compared + len(MEDIA))
 
 
