@@ -48,7 +48,9 @@ message, each undoing the placement of that chain there (`TtlIndex.withdraw`). W
 peer kept believing the endpoint held the prompt: for 5 s as a prediction, for 120 s as an
 approximate entry. A withdrawal leaves after the placements queued before it, so it never
 overtakes the placement it undoes; one whose placement never arrived here, or expired,
-takes nothing back (`unmatched_withdrawal`). A replica of an earlier release counts one
+takes nothing back (`unmatched_withdrawal`). Placements carry no sender, so a withdrawal is
+matched by endpoint and chain: two peers' placements of one chain count as two, whoever
+withdraws. A replica of an earlier release counts one
 as `malformed`.
 """
 
@@ -63,6 +65,7 @@ import struct
 import sys
 import time
 from array import array
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import cast
 
@@ -89,7 +92,10 @@ HEARTBEAT_S = 1.0  # every worker's load republished this often (also: "this rep
 LINK_WAIT_S = 2.0  # /ready waits at most this long after the start to hear every peer
 SILENT_S = 3.5  # a replica not heard from this long: its load no longer counts
 LOAD_FLUSH_S = 0.002  # load changes of this long are published as one report per endpoint
-RECEIVED_MAX = 200_000  # peers' placements remembered for their withdrawals (~100 B each)
+# peers' placements remembered for their withdrawals: endpoints x chains (~300 B each), and
+# arrivals per chain (a withdrawal takes back one; a hot chain's older ones never will)
+RECEIVED_MAX = 100_000
+RECEIVED_PER_CHAIN = 16
 DRAIN_MAX = 10_000  # messages one drain applies at most (a pick must not wait on a flood)
 CATCH_UP_S = 0.02  # between picks, what the peers sent is applied this often
 
@@ -134,6 +140,8 @@ def decode(frames: Sequence[bytes]) -> list[tuple[str, array[int]]]:
         hashes.frombytes(pairs[at + 1])
         if _BIG_ENDIAN:
             hashes.byteswap()
+        if len(set(hashes)) != len(hashes):  # no chain does; the index's records assume it
+            raise ValueError("a placement repeats a block hash")
         out.append((pairs[at].decode(), hashes))
     return out
 
@@ -217,7 +225,8 @@ class PlacementLink:
         self._warned: dict[str, float] = {}  # result -> when it was last logged
         # (endpoint, chain's last hash) -> when peers' placements of it arrived, oldest
         # first: what a withdrawal may take back (`_withdraw`)
-        self._received: dict[tuple[str, int], list[float]] = {}
+        # (least recently placed first; entries older than any TTL are pruned each tick)
+        self._received: OrderedDict[tuple[str, int], deque[float]] = OrderedDict()
         self.replica = os.urandom(8)  # names this process's load reports (a restart: new id)
         self.heard: dict[str, float] = {}  # peer replica id -> when it last reported load
         # (replica, endpoint) -> when its load there was last reported: a replica that stops
@@ -430,6 +439,7 @@ class PlacementLink:
             self._publish_load(list(self.fleet.workers))
             now = time.monotonic()
             self.expire(now)
+            self.prune_received(now)
             self.check_linked(now)
             await asyncio.sleep(HEARTBEAT_S)
 
@@ -450,6 +460,17 @@ class PlacementLink:
                 ", ".join(sorted(self._connected) + self.relay_from),
                 LINK_WAIT_S,
             )
+
+    def prune_received(self, now: float) -> None:
+        """Forget peers' placements no index keeps any longer (the longest TTL): the least
+        recently placed chains come first."""
+        keep = max(self.fleet.predictions.ttl_s, self.fleet.approx.ttl_s)
+        received = self._received
+        while received:
+            times = next(iter(received.values()))
+            if times and now - times[-1] < keep:
+                return
+            received.popitem(last=False)
 
     def expire(self, now: float) -> None:
         """Stop counting the load of replicas silent for SILENT_S, and a replica's load on an
@@ -542,9 +563,15 @@ class PlacementLink:
             self.fleet.note_new_prefix(worker, len(hashes))
         ttl.record(worker, hashes)  # type: ignore[arg-type]
         if hashes:
-            self._received.setdefault((worker, hashes[-1]), []).append(now)
-            if len(self._received) > RECEIVED_MAX:
-                del self._received[next(iter(self._received))]
+            key = (worker, hashes[-1])
+            times = self._received.get(key)
+            if times is None:
+                times = self._received[key] = deque(maxlen=RECEIVED_PER_CHAIN)
+                if len(self._received) > RECEIVED_MAX:
+                    self._received.popitem(last=False)
+            else:
+                self._received.move_to_end(key)
+            times.append(now)
         return self._count("applied", None)
 
     def _withdraw(self, worker: str, hashes: array[int], now: float) -> str:
@@ -555,11 +582,13 @@ class PlacementLink:
         if ttl is None:
             return "unknown_worker"
         key = (worker, hashes[-1] if hashes else -1)
-        times = [t for t in self._received.pop(key, ()) if now - t < ttl.ttl_s]
+        times = self._received.get(key)
+        while times and now - times[0] >= ttl.ttl_s:
+            times.popleft()
         if not times:
+            self._received.pop(key, None)
             return self._count("unmatched_withdrawal", None)
-        if len(times) > 1:
-            self._received[key] = times[1:]
+        times.popleft()
         ttl.withdraw(worker, cast("Sequence[RouterBlockHash]", hashes))
         return self._count("withdrawn", None)
 

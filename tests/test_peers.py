@@ -21,6 +21,7 @@ from engines.sim.config import SimConfig
 from engines.sim.fleet import run_fleet
 from indexer.clock import FakeClock
 from indexer.hashing import Namespace, hash_request
+from router import peers
 from router.app import RouterApp
 from router.core.config import Config, WorkerConfig, from_env, from_mapping
 from router.core.errors import ConfigError
@@ -128,6 +129,38 @@ def test_a_withdrawal_of_a_placement_never_received_or_expired_keeps_this_replic
     assert results == ["withdrawn", "withdrawn", "unmatched_withdrawal"]
     assert link.apply([WITHDRAWALS, b"w", b""], now=1.0) == ["unmatched_withdrawal"]
     assert believed.find_matches(H)["w"].blocks == len(H)
+
+
+def test_what_withdrawals_may_take_back_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Placements remembered for withdrawals: a hot chain keeps a few arrivals, the least
+    recently placed chain goes first at the cap, and what every index has expired is
+    pruned."""
+    monkeypatch.setattr(peers, "RECEIVED_MAX", 3)
+    fleet = fleet_of(w=APPROX)
+    link = PlacementLink(fleet, None, [])
+    for i in range(1000):
+        link.apply(encode([("w", H)]), now=float(i) / 1000)
+    assert len(link._received[("w", H[-1])]) == peers.RECEIVED_PER_CHAIN
+    chains = [hash_request(list(range(k, k + 32)), 16, Namespace()) for k in (100, 200, 300)]
+    for chain in chains:
+        link.apply(encode([("w", chain)]), now=1.0)  # H is now the least recently placed
+    link.apply(encode([("w", chains[0])]), now=1.5)
+    assert ("w", H[-1]) not in link._received and len(link._received) == 3
+    link.apply(encode([("w", H)]), now=2.0)  # evicts chains[1], placed least recently
+    assert ("w", chains[1][-1]) not in link._received
+    assert ("w", chains[0][-1]) in link._received
+    link.prune_received(now=1.9 + fleet.approx.ttl_s)
+    assert list(link._received) == [("w", H[-1])]
+    link.prune_received(now=3.0 + fleet.approx.ttl_s)
+    assert not link._received
+
+
+def test_a_placement_repeating_a_hash_is_malformed() -> None:
+    """No chain repeats a block hash, and the index's records assume none does: such a
+    placement from a peer is dropped, not applied to fail a later expiry."""
+    link = PlacementLink(fleet_of(w=APPROX), None, [])
+    assert link.apply(encode([("w", [7, 7])])) == ["malformed"]
+    assert link.apply(encode([("w", [7, 8])])) == ["applied"]
 
 
 def test_a_peers_new_prefix_counts_here_and_its_repeat_does_not() -> None:
