@@ -37,6 +37,7 @@ class RoutingInput:
     template_extra: dict[str, Any] | None = None
     tools: list[Any] | None = None  # as vLLM hands them to the template (`vllm_tools`)
     chat_template: str | None = None  # the request's own (engines that trust it render it)
+    tool_choice: Any = None  # the request's, as sent
     # vLLM's defaults: the tokenizer's specials (BOS) for completions; none for chat,
     # whose template places its own
     add_special_tokens: bool = True
@@ -54,11 +55,19 @@ class RoutingInput:
         """A request without a prompt (GET, or a body kvroute does not read)."""
         return cls("none", model)
 
-    def template_kwargs(self) -> dict[str, Any] | None:
+    def rendered_tools(self, exclude_tools_when_none: bool = False) -> list[Any] | None:
+        """The tools the chat template gets: none for a tool_choice "none" where the
+        engines run with --exclude-tools-when-tool-choice-none."""
+        if exclude_tools_when_none and self.tool_choice == "none":
+            return None
+        return self.tools
+
+    def template_kwargs(self, exclude_tools_when_none: bool = False) -> dict[str, Any] | None:
         """What a chat template gets beside the messages: the kwargs, and the tools."""
-        if self.tools is None:
+        tools = self.rendered_tools(exclude_tools_when_none)
+        if tools is None:
             return self.template_extra
-        return {**(self.template_extra or {}), "tools": self.tools}
+        return {**(self.template_extra or {}), "tools": tools}
 
     def keep_tokens(self, max_model_len: int | None) -> int | None:
         """How many prompt tokens vLLM keeps (`truncate_prompt_tokens`); None: all. A -1
@@ -261,6 +270,7 @@ def _chat(doc: dict[str, Any], common: dict[str, Any]) -> RoutingInput:
         template_extra=kwargs or None,
         tools=None if tools is None else [vllm_tool(t) for t in tools],
         chat_template=template,
+        tool_choice=doc.get("tool_choice"),
         **common,
     )
 

@@ -238,7 +238,7 @@ class DecisionService:
                 return await tok.achat(
                     rin.messages,
                     add_generation_prompt=rin.add_generation_prompt,
-                    extra=rin.template_kwargs(),
+                    extra=rin.template_kwargs(self.config.exclude_tools_when_tool_choice_none),
                     add_special_tokens=rin.add_special_tokens,
                     continue_final_message=rin.continue_final_message,
                     template_source=self._request_template(rin),
@@ -277,8 +277,11 @@ class DecisionService:
             template = self._request_template(rin)
             if template is not None:  # the worker renders it as it will for the request
                 body["chat_template"] = template
-            if rin.tools is not None:  # the worker's own /tokenize normalises them as here
-                body["tools"] = rin.tools
+            # the worker's own /tokenize normalises them as here, but never leaves them out
+            # for a tool_choice "none" as its chat completions may
+            tools = rin.rendered_tools(self.config.exclude_tools_when_tool_choice_none)
+            if tools is not None:
+                body["tools"] = tools
             if rin.template_extra:
                 body["chat_template_kwargs"] = rin.template_extra
         else:

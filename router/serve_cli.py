@@ -146,6 +146,13 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
         "chat_template as they do (otherwise the model's template is used for routing)",
     )
     p.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        default=None,
+        help="the engines run with --exclude-tools-when-tool-choice-none: a chat whose "
+        'tool_choice is "none" is rendered without its tools, as they render it',
+    )
+    p.add_argument(
         "--worker-api-key",
         help="the workers' --api-key, sent on the router's own calls to them (/tokenize, "
         "/metrics, /v1/models, health); never logged (env KVROUTE_WORKER_API_KEY)",
@@ -387,6 +394,7 @@ _PLAIN = [
     "pd_fault_strip_params",
     "chat_template_content_format",
     "trust_request_chat_template",
+    "exclude_tools_when_tool_choice_none",
 ]
 
 

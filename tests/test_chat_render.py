@@ -500,7 +500,7 @@ async def test_a_processor_template_the_workers_do_not_render_with_is_dropped(
     chat = [{"role": "user", "content": "Hello"}]
     folder = folder_with(
         tmp_path, {"preprocessor_config.json": PREPROCESSOR, "chat_template.json": legacy}
-    )  # noqa: E501
+    )
     async with kvroute(tokenizer=str(folder)) as s:
         local = s.app.pool.tokenizers.local("kvroute-sim")
         assert local is not None and "[P user]" not in local.render_chat(chat)
@@ -510,7 +510,7 @@ async def test_a_processor_template_the_workers_do_not_render_with_is_dropped(
     other.mkdir()
     neither = folder_with(
         other, {"preprocessor_config.json": PREPROCESSOR, "chat_template.json": legacy}
-    )  # noqa: E501
+    )
     config = json.loads((neither / "tokenizer_config.json").read_text())
     config["chat_template"] = "{% for m in messages %}<{{ m['content'] }}>{% endfor %}"
     (neither / "tokenizer_config.json").write_text(json.dumps(config))
@@ -519,3 +519,28 @@ async def test_a_processor_template_the_workers_do_not_render_with_is_dropped(
         assert local is not None and "[P user]" in local.render_chat(chat)
         problems = [h.problems.get("tokenizer") or "" for h in s.app.pool.handles.values()]
         assert all("tokenizer mismatch" in p and "chat probe" in p for p in problems)
+
+
+@pytest.mark.parametrize(
+    ("choice", "flag", "rendered"),
+    [("none", True, False), ("none", False, True), ("auto", True, True), (None, True, True)],
+)
+def test_tool_choice_none_renders_without_tools_where_the_engines_exclude_them(
+    choice: str | None, flag: bool, rendered: bool
+) -> None:
+    """vLLM's --exclude-tools-when-tool-choice-none (checked against vLLM 0.32 by the
+    tokenizer-chat conformance check), mirrored by kvroute's flag of that name."""
+    from router.cli import build_parser
+    from router.serve_cli import load_config
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
+    doc = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [tool]}
+    if choice is not None:
+        doc["tool_choice"] = choice
+    rin = parse("chat", json.dumps(doc).encode())
+    assert ("tools" in (rin.template_kwargs(flag) or {})) == rendered
+    assert (rin.rendered_tools(flag) is not None) == rendered
+    args = ["serve", "--worker", "http://a:1", "--exclude-tools-when-tool-choice-none"]
+    assert load_config(
+        build_parser("serve").parse_args(args), {}
+    ).exclude_tools_when_tool_choice_none

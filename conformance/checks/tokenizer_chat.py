@@ -308,7 +308,7 @@ async def tokenizer_chat(ctx: Context, f: Findings) -> None:
         model_dir,
         num_gpu_blocks=32,
         kv_events=False,
-        extra_args=("--trust-request-chat-template",),
+        extra_args=("--trust-request-chat-template", "--exclude-tools-when-tool-choice-none"),
         log_dir=work,
     )
     with server:
@@ -335,6 +335,7 @@ async def tokenizer_chat(ctx: Context, f: Findings) -> None:
                 theirs = await _engine_tokens(http, server.model, fields, template)
                 _record(f, name, mine, theirs, head=True)
                 f.require(len(mine) >= 32, f"{name}: the text before the image fills no block")
+            await _choice_none(f, http, server.model, locals_["tools"])
     f.require(compared > len(CASES), "no case used a template given by flag or by request")
     plain_chat = locals_["own"].render_chat([USER])
     tools_chat = locals_["own"].render_chat([USER], extra={"tools": [WEATHER]})
@@ -344,6 +345,24 @@ async def tokenizer_chat(ctx: Context, f: Findings) -> None:
         "equal to the engine's prove nothing of it",
     )
     f.note("compared", compared + len(MEDIA))
+
+
+async def _choice_none(
+    f: Findings, http: httpx.AsyncClient, model: str, local: LocalTokenizer
+) -> None:
+    """With --exclude-tools-when-tool-choice-none the engine's chat completion renders a
+    tool_choice "none" chat without its tools (its /tokenize does not: the prompt it ran
+    comes from `return_token_ids`); so does kvroute with the flag of that name."""
+    fields = {"messages": [USER], "tools": [WEATHER], "tool_choice": "none"}
+    rin = parse("chat", json.dumps({"model": "m", **fields}).encode())
+    body = {"model": model, **fields, "chat_template": TEMPLATES["tools"]}
+    body |= {"max_tokens": 1, "return_token_ids": True}
+    doc = _json(await http.post("/v1/chat/completions", json=body))
+    theirs = [int(t) for t in doc["prompt_token_ids"]]
+    mine = local.chat(rin.messages or [], extra=rin.template_kwargs(True))
+    _record(f, "tool-choice-none [--exclude-tools-when-tool-choice-none]", mine, theirs, False)
+    with_tools = local.chat(rin.messages or [], extra=rin.template_kwargs(False))
+    f.require(with_tools != theirs, "the tools template rendered no tools: the case proves nothing")
 
 
 async def _engine_tokens(

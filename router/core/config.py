@@ -94,6 +94,9 @@ class Config:
     chat_template_content_format: str = "auto"  # the engines' flag: auto | string | openai
     # the engines' --trust-request-chat-template: a request's own chat_template is rendered
     trust_request_chat_template: bool = False
+    # the engines run with --exclude-tools-when-tool-choice-none: a chat whose tool_choice
+    # is "none" renders without its tools
+    exclude_tools_when_tool_choice_none: bool = False
     block_size: int | None = None
     model: str = ""  # the hash namespace's model part (kept "" unless chains must differ)
     metrics: bool = True
