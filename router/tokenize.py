@@ -30,7 +30,7 @@ import json
 import logging
 import os
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,6 @@ from tokenizers import Tokenizer
 
 from router.core.errors import ConfigError
 from router.tokenize_chat import (
-    PROCESSOR,
     chat_templates,
     compile_template,
     pick,
@@ -155,22 +154,6 @@ class LocalTokenizer:
             self._tok.encode(probe, add_special_tokens=True).ids,
             self._tok.encode(probe, add_special_tokens=False).ids,
         )
-
-    def without_processor_template(self) -> Callable[[], None] | None:
-        """Render chats with the tokenizer's template from now on, not the processor's
-        (where the engines' processor did not load: a missing dependency, no processor
-        class). Returns how to undo it; None: there was none to drop."""
-        if PROCESSOR not in self._templates:
-            return None
-        before, cache = self._templates, self.cache
-        self._templates = {k: v for k, v in before.items() if k != PROCESSOR}
-        # chats rendered with the other template must not be served from the cache
-        self.cache = TokenCache(cache.max_items, cache.max_tokens)
-
-        def undo() -> None:
-            self._templates, self.cache = before, cache
-
-        return undo
 
     @property
     def bos_token(self) -> str:

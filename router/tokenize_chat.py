@@ -140,8 +140,11 @@ def processor_template(folder: Path) -> str | None:
     without tools with before the tokenizer's (`resolve_chat_template`: AutoProcessor's,
     when it loads a processor). As transformers' processor loads it: processor_config.json's
     `chat_template`, else chat_template.json's (legacy), else chat_template.jinja. A folder
-    without a processor's configuration has none: AutoProcessor gives its tokenizer."""
-    if not any((folder / name).is_file() for name in PROCESSOR_CONFIGS):
+    whose configurations name no processor class has none: AutoProcessor gives its
+    tokenizer. (Where the engines cannot load the processor, a missing dependency, they
+    fall back to the tokenizer's: the start-up chat probe reports it, and --chat-template
+    fixes it.)"""
+    if not any(_names_processor(folder / name) for name in PROCESSOR_CONFIGS):
         return None
     for name in ("processor_config.json", "chat_template.json"):
         path = folder / name
@@ -153,6 +156,16 @@ def processor_template(folder: Path) -> str | None:
                 return value
     single = folder / "chat_template.jinja"
     return single.read_text(encoding="utf-8") if single.is_file() else None
+
+
+def _names_processor(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and bool(doc.get("processor_class") or doc.get("chat_template"))
 
 
 def chat_templates(

@@ -200,8 +200,6 @@ class WorkerChecks:
                 theirs = None
             if theirs is None or theirs == list(mine[kind]):
                 continue  # an engine without /tokenize: router-check warns
-            if kind == "chat" and self._follow_tokenizer_template(h, model, tok, theirs):
-                continue
             return (
                 f"worker {h.name}: tokenizer mismatch for model {model or '?'} on a {kind} "
                 f"probe: the router makes {len(mine[kind])} tokens {list(mine[kind][:6])}..., "
@@ -209,29 +207,6 @@ class WorkerChecks:
                 + h.adapter.hints.tokenizer_mismatch
             )
         return None
-
-    @staticmethod
-    def _follow_tokenizer_template(h: WorkerHandle, model: str, tok: Any, theirs: Any) -> bool:
-        """The folder has a multimodal processor's chat template, which vLLM renders chats
-        with only where that processor loads; the worker rendered the probe with the
-        tokenizer's: so does kvroute from now on."""
-        if list(tok.chat(PROBE_CHAT)) == theirs:
-            return True  # another worker's probe switched it meanwhile
-        drop = getattr(tok, "without_processor_template", None)
-        undo = drop() if drop is not None else None
-        if undo is None:
-            return False
-        if list(tok.chat(PROBE_CHAT)) != theirs:
-            undo()  # neither template: the mismatch stands (its hint names the fix)
-            return False
-        log.warning(
-            "worker %s renders chats for model %s with the tokenizer's chat template, not its "
-            "processor's (the processor did not load there: a missing dependency, or no "
-            "processor class): kvroute renders them so too",
-            h.name,
-            model or "?",
-        )
-        return True
 
     # ---- modes -----------------------------------------------------------------------
 

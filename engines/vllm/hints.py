@@ -37,5 +37,7 @@ HINTS = EngineHints(
     block_size_mismatch="set block_size: {reported} or start vLLM with --block-size {configured}",
     tokenizer_mismatch="point --tokenizer at the same files the engine loads (or use "
     "--tokenizer remote); a chat probe alone differing: give kvroute the engine's "
-    "--chat-template and --chat-template-content-format",
+    "--chat-template and --chat-template-content-format (a multimodal model whose processor "
+    "the engines could not load renders with its tokenizer's template: give kvroute that "
+    "one as --chat-template)",
 )
