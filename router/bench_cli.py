@@ -20,7 +20,8 @@ workload files (--workload-file F), one JSON object per line:
   {"prompt": "<turn 1> <reply> <turn 2>", "chain": "conv-7"}
   {"prompt": "...", "wave": 1}
 The first line is optional (defaults: the file's stem, 4 workers, 926 KV blocks of 16
-tokens each, 16 chains in flight; also "block_size", "max_model_len", "shuffle": false
+tokens each, 16 chains in flight; also "block_size", "max_model_len", "max_num_seqs"
+(the engines' batch), "shuffle": false
 to keep the file's order in every run, "replicas": {group: workers} for the ideal).
 A chain's requests run in file order (a conversation's turns); a wave starts when the
 one before it has finished; "group" is the prefix the ideal pins to one worker

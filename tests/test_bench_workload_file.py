@@ -30,10 +30,13 @@ def shape(w: workloads.Workload) -> list[list[list[tuple[str, str, int]]]]:
     return [[[(r.prompt, r.group, r.max_tokens) for r in c] for c in wave] for wave in w.waves]
 
 
-@pytest.mark.parametrize("name", ["multi-turn", "sibling-burst", "hot-prefix", "long-short-mix"])
+@pytest.mark.parametrize(
+    "name", ["multi-turn", "sibling-burst", "hot-prefix", "long-short-mix", "hot-prefix-full-batch"]
+)
 def test_a_written_workload_reads_back_as_the_same_run(tmp_path: Path, name: str) -> None:
-    """Chains (multi-turn), waves (sibling-burst), the ideal's replicas (hot-prefix) and the
-    engines' length limit (long-short-mix) all survive the file."""
+    """Chains (multi-turn), waves (sibling-burst), the ideal's replicas (hot-prefix), the
+    engines' length limit (long-short-mix) and batch (hot-prefix-full-batch) all survive the
+    file."""
     w = workloads.build(name, run_seed=3, scale=0.1)
     path = tmp_path / f"{name}.jsonl"
     dump(w, path, taken=workloads.GENERATORS)

@@ -10,7 +10,8 @@ request per line, after an optional first line that sets the fleet's shape.
 Header (every key optional): `workload` (the name in the report; the file's stem),
 `workers` (4), `kv_blocks` per worker, vLLM's null block included (926: ~14,800 tokens),
 `concurrency` (chains in flight, 16), `block_size` (16), `max_model_len` (the simulated
-engines' limit; the packaged tokenizer's 4,096), `shuffle` (true: each run seed orders the
+engines' limit; the packaged tokenizer's 4,096), `max_num_seqs` (the requests each engine
+runs at once, vLLM's --max-num-seqs; the simulator's 64), `shuffle` (true: each run seed orders the
 chains of a wave differently, as the built-in workloads do; false: file order every run),
 `replicas` ({group: workers the ideal spreads that group over}).
 
@@ -47,11 +48,19 @@ HEADER = {
     "concurrency": int,
     "block_size": int,
     "max_model_len": int,
+    "max_num_seqs": int,
     "shuffle": bool,
     "replicas": dict,
 }
 REQUEST = {"prompt": str, "group": str, "max_tokens": int, "chain": str, "wave": int}
-LEAST = {"workers": 1, "kv_blocks": 2, "concurrency": 1, "block_size": 1, "max_model_len": 2}
+LEAST = {
+    "workers": 1,
+    "kv_blocks": 2,
+    "concurrency": 1,
+    "block_size": 1,
+    "max_model_len": 2,
+    "max_num_seqs": 1,
+}
 
 
 class WorkloadFileError(ValueError):
@@ -68,6 +77,7 @@ class FileWorkload:
     waves: tuple[tuple[tuple[Request, ...], ...], ...]  # in file order
     shuffle: bool = True
     max_model_len: int | None = None
+    max_num_seqs: int | None = None
     replicas: dict[str, int] = field(default_factory=dict)
 
     def build(self, run_seed: int) -> Workload:
@@ -80,8 +90,12 @@ class FileWorkload:
         )
         w.replicas = dict(self.replicas)
         w.seed = run_seed
+        flags: tuple[str, ...] = ()
         if self.max_model_len is not None:
-            w.sim_args = ("--max-model-len", str(self.max_model_len))
+            flags += ("--max-model-len", str(self.max_model_len))
+        if self.max_num_seqs is not None:
+            flags += ("--max-batch", str(self.max_num_seqs))
+        w.sim_args = flags
         return w
 
 
@@ -131,6 +145,8 @@ def dump(w: Workload, path: Path, taken: Iterable[str] = ()) -> None:
     flags = dict(zip(w.sim_args[::2], w.sim_args[1::2], strict=False))
     if "--max-model-len" in flags:
         header["max_model_len"] = int(flags["--max-model-len"])
+    if "--max-batch" in flags:
+        header["max_num_seqs"] = int(flags["--max-batch"])
     if w.replicas:
         header["replicas"] = w.replicas
     with path.open("w", encoding="utf-8") as f:
@@ -201,6 +217,7 @@ def _shape(path: Path, header: dict[str, Any]) -> dict[str, Any]:
         "concurrency": header.get("concurrency", 16),
         "block_size": header.get("block_size", BLOCK_SIZE),
         "max_model_len": header.get("max_model_len"),
+        "max_num_seqs": header.get("max_num_seqs"),
     }
 
 

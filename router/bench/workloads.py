@@ -18,8 +18,11 @@ worker.
   hot-prefix              half of 192 requests on one prefix, the rest on 12 others, 32 in
                           flight on 4 workers: the hot prefix must spill (the ideal puts
                           it on two workers; at the engines' default batch of 64 one
-                          worker still runs its stream at once, see docs/bench/history.md
-                          for the engines capped at 12)
+                          worker still runs its stream at once: hot-prefix-full-batch
+                          caps them at 12)
+  hot-prefix-full-batch   hot-prefix on engines that run 12 requests at most at once
+                          (vLLM's --max-num-seqs): the hot stream cannot all run on one
+                          worker, so one that keeps it queues
   long-short-mix          4 6,000-token documents x 8 next to 160 short prompts on 8
                           300-token templates, 16 in flight, 4 workers
   vllm-prefix-repetition  vLLM's `prefix_repetition` as the issue ran it: 32 prefixes x
@@ -160,6 +163,17 @@ def hot_prefix(t: Texts, run_seed: int, scale: float = 1.0) -> Workload:
     return w
 
 
+def hot_prefix_full_batch(t: Texts, run_seed: int, scale: float = 1.0) -> Workload:
+    """hot-prefix on engines that run at most 12 requests at once (vLLM's --max-num-seqs):
+    the hot prefix's ~16 requests in flight cannot all run on one worker, and what its
+    worker cannot run waits in its queue (docs/bench/history.md, "Hot-prefix with the
+    engines' batch full")."""
+    w = hot_prefix(t, run_seed, scale)
+    w.name = "hot-prefix-full-batch"
+    w.sim_args = ("--max-batch", "12")
+    return w
+
+
 def long_short_mix(t: Texts, run_seed: int, scale: float = 1.0) -> Workload:
     longs, long_repeats = _n(4, scale, 1), _n(8, scale, 2)
     templates, shorts = _n(8, scale, 2), _n(160, scale, 4)
@@ -261,6 +275,7 @@ GENERATORS: dict[str, Callable[[Texts, int, float], Workload]] = {
     "multi-turn": multi_turn,
     "sibling-burst": sibling_burst,
     "hot-prefix": hot_prefix,
+    "hot-prefix-full-batch": hot_prefix_full_batch,
     "long-short-mix": long_short_mix,
     "vllm-prefix-repetition": vllm_prefix_repetition,
     "agent-sessions": agent_sessions,
@@ -272,6 +287,7 @@ SUMMARIES = {
     "multi-turn": "24 conversations x 5 turns, each extending the last",
     "sibling-burst": "bursts of 8 requests on one new prefix, sent at once",
     "hot-prefix": "half the requests on one prefix: it must spill over workers",
+    "hot-prefix-full-batch": "hot-prefix on engines running 12 requests at most at once",
     "long-short-mix": "6,000-token documents next to short templated prompts",
     "vllm-prefix-repetition": "vLLM's prefix_repetition: 32 x 2,000-token prefixes, tight",
     "agent-sessions": "agent sessions sharing one system prompt, plus retrieval",
