@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from engines.sim.blockpool import NO_KEYS, CacheKeys
@@ -126,26 +127,17 @@ class Renderer:
             raise schema_error(("prompt",), "missing", "Field required", body)
         special = get(body, "add_special_tokens", bool, True)
         if isinstance(prompt, str):
-            return [self._encode(prompt, special, cut)]
+            return [cut.encoded(partial(self.tokenizer.encode, prompt, special))]
         if isinstance(prompt, list) and prompt:
             if all(_is_token(t) for t in prompt):
                 return [cut.cut(list(prompt))]
             if all(isinstance(p, str) for p in prompt):
-                return [self._encode(p, special, cut) for p in prompt]
+                return [cut.encoded(partial(self.tokenizer.encode, p, special)) for p in prompt]
             if all(isinstance(p, list) and all(_is_token(t) for t in p) for p in prompt):
                 return [cut.cut(list(p)) for p in prompt]
         raise schema_error(
             ("prompt",), "union", "Input should be a string or a list of token ids", prompt
         )
-
-    def _encode(self, text: str, special: bool, cut: Truncation) -> list[int]:
-        """A text prompt: the tokenizer truncates it, unless the request named a side (vLLM
-        then encodes it whole and slices); either way vLLM keeps nothing of it for 0."""
-        if cut.keep == 0:
-            return []
-        if cut.side is None:
-            return self.tokenizer.encode(text, special, keep=cut.keep)
-        return cut.cut(self.tokenizer.encode(text, special))
 
     def tokenize_ids(self, body: Mapping[str, Any]) -> list[int]:
         """/tokenize: `messages`, or `prompt` as one string (vLLM's TokenizeRequest union of
@@ -178,14 +170,9 @@ class Renderer:
             )
         kwargs = get(body, "chat_template_kwargs", dict, None)
         add_special = get(body, "add_special_tokens", bool, False)
+        encode = partial(self.tokenizer.encode_chat, messages, gen, cont, add_special, kwargs)
         try:
-            if cut.keep == 0:
-                return []
-            if cut.side is None:
-                return self.tokenizer.encode_chat(
-                    messages, gen, cont, add_special, kwargs, keep=cut.keep
-                )
-            return cut.cut(self.tokenizer.encode_chat(messages, gen, cont, add_special, kwargs))
+            return cut.encoded(encode)
         except ChatTemplateError as exc:
             raise bad_request(str(exc), "messages") from None
 

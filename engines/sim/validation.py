@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -201,6 +201,16 @@ class Truncation:
         if self.keep == 0:
             return []
         return ids[: self.keep] if self.side == "right" else ids[-self.keep :]
+
+    def encoded(self, encode: Callable[[int | None], list[int]]) -> list[int]:
+        """A text prompt, `encode(keep)` encoding it: without a side the tokenizer truncates
+        it as it encodes (keeping the special tokens it adds); with a side vLLM encodes it
+        whole and slices; of 0 it keeps nothing."""
+        if self.keep == 0:
+            return []
+        if self.side is None:
+            return encode(self.keep)
+        return self.cut(encode(None))
 
 
 NO_TRUNCATION = Truncation()

@@ -245,11 +245,12 @@ def report(
     s = result.samples
     cached = sum(x.cached_tokens for x in s) / max(sum(x.prompt_tokens for x in s), 1)
     homes: dict[str, int] = {}
-    spread: dict[str, set[int]] = collections.defaultdict(set)
+    # group -> requests per worker (the workers a group spread over are its keys)
+    spread: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)
     for x in s:
         worker = names.get(x.worker or "", -1)
         homes.setdefault(x.group, worker)
-        spread[x.group].add(worker)
+        spread[x.group][worker] += 1
     per_worker = collections.Counter(homes.values())
     split = sum(1 for v in spread.values() if len(v) > 1)
     print(f"\nrun: cached {cached:.4f} (ideal {ideal_fraction(w):.4f}), errors {result.errors}")
@@ -263,12 +264,9 @@ def report(
             for x in path
         )
         print(f"    {group} (worker:cached per request, in order sent): {steps}")
-    per_group: dict[str, collections.Counter[int]] = collections.defaultdict(collections.Counter)
-    for x in s:
-        per_group[x.group][names.get(x.worker or "", -1)] += 1
     placed = "  ".join(
-        f"{g}:" + ",".join(f"w{k}x{n}" for k, n in sorted(per_group[g].items()))
-        for g in sorted(per_group)
+        f"{g}:" + ",".join(f"w{k}x{n}" for k, n in sorted(spread[g].items()))
+        for g in sorted(spread)
     )
     print(f"  requests per group and worker: {placed}")
     served = collections.Counter(names.get(x.worker or "", -1) for x in s)
