@@ -446,6 +446,12 @@ def _worker_gauges(pool: WorkerPool, prefill: bool) -> Iterator[GaugeMetricFamil
         "kvroute_index_blocks", "Blocks the index shows on each worker", labels=["worker"]
     )
     load = GaugeMetricFamily("kvroute_inflight_prefill_tokens", PREFILL_HELP, labels=["worker"])
+    batch = GaugeMetricFamily(
+        "kvroute_worker_batch_limit",
+        "Requests the worker's engine runs at once, learned from its /metrics where requests "
+        "queued for a slot (--busy-learn-batch); absent until learned",
+        labels=["worker"],
+    )
     for f, report in _endpoints(pool):
         name = f.state.name
         for state in HEALTH_STATES:
@@ -455,6 +461,9 @@ def _worker_gauges(pool: WorkerPool, prefill: bool) -> Iterator[GaugeMetricFamil
         available.add_metric([name], 1.0 if f.state.available else 0.0)
         cached.add_metric([name], float(pool.fleet.index.entries_of(name)))
         load.add_metric([name], float(pool.fleet.load.local(name).prefill_tokens))
+        limit = pool.fleet.load.batch_limit(name)
+        if limit is not None:
+            batch.add_metric([name], float(limit))
         st = f.subscriber.status if f.ingest is not None and f.subscriber is not None else None
         if st is not None and st.last_message_at is not None:
             lag.add_metric([name], max(0.0, time.monotonic() - st.last_message_at))
@@ -463,6 +472,7 @@ def _worker_gauges(pool: WorkerPool, prefill: bool) -> Iterator[GaugeMetricFamil
     yield mode
     yield available
     yield cached
+    yield batch
     if prefill:
         yield load
 

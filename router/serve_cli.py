@@ -177,11 +177,12 @@ def _routing_args(p: argparse.ArgumentParser) -> None:
 
 def _overload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
-        "overload: busy thresholds and shedding (default: no bound; README: Overload)",
+        "overload: busy thresholds and shedding (default: only the engines' learned "
+        "batch limits; README: Overload)",
         "A worker at a bound is busy: it gets no new request while another worker can\n"
         "take it, even when it holds the prompt's prefix. When every worker is busy the\n"
         "request still goes to the best of them, unless --shed refuses it. YAML:\n"
-        "busy_max_requests, busy_max_kv_usage, shed.",
+        "busy_max_requests, busy_max_kv_usage, busy_learn_batch, shed.",
     )
     g.add_argument(
         "--busy-max-requests",
@@ -196,6 +197,14 @@ def _overload_args(p: argparse.ArgumentParser) -> None:
         metavar="F",
         help="busy at this fraction of its KV cache in use, 0..1 (vllm:kv_cache_usage_perc), "
         "e.g. 0.95",
+    )
+    g.add_argument(
+        "--busy-learn-batch",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="busy at the engine's batch limit (vLLM's --max-num-seqs, which its /metrics do "
+        "not export), learned where a worker's requests wait with KV room and little prefill "
+        "ahead of them; logged, and in kvroute_worker_batch_limit (default: on)",
     )
     g.add_argument(
         "--shed",
@@ -376,6 +385,7 @@ _PLAIN = [
     "peer_wait_ms",
     "busy_max_requests",
     "busy_max_kv_usage",
+    "busy_learn_batch",
     "shed",
     "workers_file",
     "workers_dns",

@@ -13,6 +13,7 @@ import httpx
 from engines.base import EngineMetrics
 from indexer.health import EventHealth
 from router.core.fleet import APPROX, EVENTS
+from router.core.load import LEARN_CONFIRM_S
 from router.verdicts import log_problems, worker_reports
 
 if TYPE_CHECKING:
@@ -37,6 +38,24 @@ class WorkerChecks:
         self.pool = pool
         self._last_error_log: dict[str, float] = {}
         self.health_rounds = 0  # completed health-check rounds (tests wait on it)
+        self._crowded_at: dict[str, float] = {}  # worker -> when it was last scraped for it
+        self._crowded_tasks: set[asyncio.Task[None]] = set()
+        if pool.config.busy_learn_batch:
+            pool.fleet.load.on_crowded = self.crowded
+
+    def crowded(self, endpoint: str) -> None:
+        """A worker got more requests than it was ever seen running: scrape it now (at
+        most every LEARN_CONFIRM_S), to learn its batch limit before a queue builds there."""
+        h = self.pool.handle_of(endpoint)
+        if h is None:
+            return
+        now = asyncio.get_running_loop().time()
+        if now - self._crowded_at.get(h.name, -LEARN_CONFIRM_S) < LEARN_CONFIRM_S:
+            return
+        self._crowded_at[h.name] = now
+        task = asyncio.create_task(self._scrape_one(h))
+        self._crowded_tasks.add(task)
+        task.add_done_callback(self._crowded_tasks.discard)
 
     # ---- health ----------------------------------------------------------------------
 
@@ -96,15 +115,17 @@ class WorkerChecks:
     async def scrape(self) -> None:
         await asyncio.gather(*(self._scrape_one(h) for h in list(self.pool.handles.values())))
 
-    async def _scrape_one(self, h: WorkerHandle) -> None:
+    async def _scrape_one(self, h: WorkerHandle, confirm: bool = True) -> None:
         m = await self.fetch_metrics(h)
         if m is None:
             return
+        load = self.pool.fleet.load
         if _restarted(h.metrics, m):
+            for f in h.feeds:
+                load.restarted(f.state.name)
             h.metrics = m
             await self.pool.rediscover(h, "its /metrics counters went back (engine restart)")
         h.metrics = m
-        load = self.pool.fleet.load
         for f in h.feeds:
             rank = m.by_rank.get(f.state.rank) if f.state.rank is not None else None
             if rank is not None:
@@ -113,6 +134,9 @@ class WorkerChecks:
                 )
             elif f.state.rank is None:
                 load.scraped(f.state.name, m.running, m.waiting, m.kv_usage, m.num_gpu_blocks)
+        if confirm and any(load.confirming(f.state.name) for f in h.feeds):
+            await asyncio.sleep(LEARN_CONFIRM_S)
+            await self._scrape_one(h, confirm=False)
 
     # ---- what the worker serves ------------------------------------------------------
 

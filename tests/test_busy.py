@@ -199,10 +199,11 @@ def test_help_teaches_the_overload_flags(capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit):
         build_parser("serve").parse_args(["serve", "--help"])
     out = " ".join(capsys.readouterr().out.split())
-    for needle in ("--busy-max-requests N", "--busy-max-kv-usage F", "--shed", "429"):
+    needles = ("--busy-max-requests N", "--busy-max-kv-usage F", "--busy-learn-batch", "--shed")
+    for needle in (*needles, "429", "--max-num-seqs"):
         assert needle in out
     assert "When every worker is busy the request still goes to the best of them" in out
-    assert "busy_max_requests, busy_max_kv_usage, shed" in out
+    assert "busy_max_requests, busy_max_kv_usage, busy_learn_batch, shed" in out
 
 
 # ---- the ext_proc door ------------------------------------------------------------------

@@ -144,6 +144,9 @@ class Config:
     # can; when every worker is busy it still serves, unless `shed` refuses with 429
     busy_max_requests: int | None = None  # running+waiting requests per worker
     busy_max_kv_usage: float | None = None  # KV cache use per worker, 0..1
+    # busy at the engine's batch limit (vLLM's --max-num-seqs), learned from its /metrics
+    # where requests queue with KV room and little prefill ahead of them (router/core/load.py)
+    busy_learn_batch: bool = True
     shed: bool = False
     seed: int | None = None
     # router replicas behind one balancer share their placements (router/peers.py): this
@@ -355,6 +358,7 @@ class Config:
             "busy": {
                 "max_requests": self.busy_max_requests,
                 "max_kv_usage": self.busy_max_kv_usage,
+                "learn_batch": self.busy_learn_batch,
                 # a busy prefill pool means prefilling on the decode worker, never a 429
                 "shed": self.shed and name != "prefill",
             },

@@ -248,6 +248,8 @@ class BusyParams:
 
     max_requests: int | None = None  # busy at this many running+waiting requests
     max_kv_usage: float | None = None  # busy at this KV cache use, 0..1
+    # busy at the engine's batch limit, where its scrapes taught it (`LoadView.batch_limit`)
+    learn_batch: bool = True
     shed: bool = False  # every endpoint busy: refuse with 429 instead of relaxing
 
     def __post_init__(self) -> None:
@@ -280,6 +282,12 @@ class BusyFilter:
         p = self.params
         if p.max_requests is not None and c.load.requests >= p.max_requests:
             return f"busy: {c.load.requests} running+waiting >= busy_max_requests {p.max_requests}"
+        limit = c.load.batch_limit
+        if p.learn_batch and limit is not None and c.load.requests >= limit:
+            return (
+                f"busy: {c.load.requests} running+waiting >= its engine's batch of {limit}, "
+                "learned from its /metrics"
+            )
         usage = kv_usage(c)
         if p.max_kv_usage is not None and usage is not None and usage >= p.max_kv_usage:
             return f"busy: KV cache {usage:.2f} full >= busy_max_kv_usage {p.max_kv_usage}"

@@ -5,11 +5,14 @@ both (traffic from anywhere else; a scrape is up to a second old)."""
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from indexer.clock import Clock, MonotonicClock
+
+log = logging.getLogger("kvroute.load")
 
 # How far back the time-averaged in-flight count looks (seconds, exponential). A chat
 # session's next turn reaches its worker milliseconds after the last one finished, so an
@@ -30,6 +33,8 @@ class LoadView:
     # prefilling (`Ticket.rides`), this router's and its peers': the engine runs them in
     # its next step
     riders: int = 0
+    # the requests the engine runs at once, learned from its scrapes (`_Batch`); None: unknown
+    batch_limit: int | None = None
 
 
 @dataclass
@@ -100,12 +105,72 @@ class _Scraped:
     kv_usage: float | None = None
 
 
+# Learning an engine's batch limit (vLLM's --max-num-seqs, which its /metrics do not
+# export) from its scrapes. A worker whose batch is full queues every further request, so a
+# hot prefix kept on it waits there while other workers idle (hot-prefix-full-batch: TTFT p90
+# 571 ms against 194 ms with the limit given as --busy-max-requests). Engines also queue for
+# other reasons, and a limit learned from those caps a worker below what it can run
+# (measured with every queue a scrape showed taken as a full batch: vllm-prefix-repetition
+# cached 0.618 against the ideal's 0.731, its engines queueing for KV blocks). So a scrape
+# teaches the limit only when nothing but a full batch explains the queue:
+LEARN_MIN_WAITING = 2  # one waiting request is often one that arrived since the last step
+LEARN_KV_ROOM = 0.9  # KV use under this: the queue is not for blocks
+# this router's and its peers' uncached prompt tokens before their first token there under
+# this: the queue is not for the step's token budget (vLLM's --max-num-batched-tokens; its
+# defaults are 2,048 to 16,384 for the API server)
+LEARN_MAX_PREFILL_TOKENS = 1024
+LEARN_CONFIRM_S = 0.25  # ... and a scrape at least this much later shows the same
+
+
+@dataclass
+class _Batch:
+    """One worker's learned batch limit: the running count that two scrapes at least
+    LEARN_CONFIRM_S apart showed while requests waited for nothing but a slot (LEARN_*), at
+    the most this worker was ever seen running. A scrape that shows more running unlearns it
+    (new engine flags)."""
+
+    most: float = 0.0  # the most requests a scrape showed running
+    pending: float | None = None  # the running count a scrape showed that could teach
+    pending_at: float = 0.0
+    limit: int | None = None
+
+    def scraped(
+        self, now: float, running: float, waiting: float, kv_usage: float | None, prefill: int
+    ) -> bool:
+        """Take one scrape; True when it taught the limit."""
+        if self.limit is not None and running > self.limit:
+            self.limit = None
+        full = (
+            self.limit is None
+            and waiting >= LEARN_MIN_WAITING
+            and running >= max(1.0, self.most)
+            and (kv_usage is None or kv_usage < LEARN_KV_ROOM)
+            and prefill < LEARN_MAX_PREFILL_TOKENS
+        )
+        self.most = max(self.most, running)
+        if not full:
+            self.pending = None
+        elif self.pending != running:
+            self.pending, self.pending_at = running, now
+        elif now - self.pending_at >= LEARN_CONFIRM_S:  # two scrapes close together: one moment
+            self.limit = int(running)
+            self.pending = None
+            return True
+        return False
+
+
 @dataclass
 class LoadTracker:
     _local: dict[str, _Local] = field(default_factory=dict)
     _scraped: dict[str, _Scraped] = field(default_factory=dict)
     _peers: dict[str, dict[str, PeerLoad]] = field(default_factory=dict)  # worker -> replica
     _busy: dict[str, _Busy] = field(default_factory=dict)
+    _batch: dict[str, _Batch] = field(default_factory=dict)
+    _most_running: float = 0.0  # the most any worker's scrapes showed running
+    # told a worker sent more requests than a scrape ever showed it running while its batch
+    # limit is unknown: a scrape now learns a full batch within a fraction of a second, where
+    # the next periodic one (a second) leaves a hot prefix's requests queued there till then
+    on_crowded: Callable[[str], None] | None = None
     # told the worker whose local load changed (the placement link publishes it)
     on_change: Callable[[str], None] | None = None
     # told too, and of a worker forgotten (its local load is gone): under --processes each
@@ -122,7 +187,15 @@ class LoadTracker:
         local.riders += rides
         self._counted(worker)
         self._changed(worker)
+        if self.on_crowded is not None and self._crowded(worker):
+            self.on_crowded(worker)
         return Ticket(worker, uncached_tokens, blocks, rides=rides, counted=local)
+
+    def _crowded(self, worker: str) -> bool:
+        """More requests on `worker` than a scrape ever showed it running, its batch limit
+        unknown (none before its first scrape: nothing to compare with)."""
+        b = self._batch.get(worker)
+        return b is not None and b.limit is None and self.known(worker).requests > b.most
 
     def first_token(self, t: Ticket) -> None:
         if t.first_token_seen or t.done:
@@ -211,6 +284,31 @@ class LoadTracker:
         engine_blocks = (kv_usage or 0.0) * (capacity_blocks or 0)
         share = others / engine_requests if engine_requests else 0.0
         self._scraped[worker] = _Scraped(others, engine_blocks * share, kv_usage)
+        batch = self._batch.setdefault(worker, _Batch())
+        self._most_running = max(self._most_running, running)
+        prefill = self.known(worker).prefill_tokens
+        if batch.scraped(self.clock.now(), running, waiting, kv_usage, prefill):
+            log.info(
+                "worker %s queues requests at %d running with KV room and little prefill: "
+                "taking %d as its batch limit (vLLM's --max-num-seqs); it is busy there "
+                "(--busy-max-requests sets a lower bound, --no-busy-learn-batch turns this off)",
+                worker,
+                batch.limit,
+                batch.limit,
+            )
+
+    def confirming(self, worker: str) -> bool:
+        """The last scrape could teach `worker`'s batch limit: scrape it again soon."""
+        b = self._batch.get(worker)
+        return b is not None and b.pending is not None
+
+    def restarted(self, worker: str) -> None:
+        """A new engine process: its batch limit may differ."""
+        self._forget_batch(worker)
+
+    def _forget_batch(self, worker: str) -> None:
+        if self._batch.pop(worker, None) is not None:
+            self._most_running = max((b.most for b in self._batch.values()), default=0.0)
 
     def view(self, worker: str) -> LoadView:
         known = self.known(worker)
@@ -228,12 +326,25 @@ class LoadTracker:
             s.kv_usage,
             busy,
             known.riders,
+            self.batch_limit(worker),
         )
+
+    def batch_limit(self, worker: str) -> int | None:
+        """`worker`'s learned batch limit, raised to the most any worker was seen running:
+        a limit learned from a queue that was not for slots after all (an engine's step
+        can stall for reasons no scrape shows) would otherwise hold itself in place, as
+        the worker never gets more requests to show it wrong. Workers of one pool run one
+        set of flags; a fleet mixing batch sizes is protected up to its largest."""
+        b = self._batch.get(worker)
+        if b is None or b.limit is None:
+            return None
+        return max(b.limit, int(self._most_running))
 
     def forget(self, worker: str) -> None:
         self._local.pop(worker, None)
         self._scraped.pop(worker, None)
         self._peers.pop(worker, None)
         self._busy.pop(worker, None)
+        self._forget_batch(worker)
         for watcher in self.watchers:
             watcher(worker)
