@@ -40,6 +40,9 @@ class WorkerChecks:
         self.health_rounds = 0  # completed health-check rounds (tests wait on it)
         self._crowded_at: dict[str, float] = {}  # worker -> when it was last scraped for it
         self._crowded_tasks: set[asyncio.Task[None]] = set()
+        # one scrape of a worker at a time: two in flight could land out of order, and an
+        # older answer's counters after a newer one's read as an engine restart
+        self._scraping: dict[str, asyncio.Lock] = {}
         if pool.config.busy_learn_batch:
             pool.fleet.load.on_crowded = self.crowded
 
@@ -47,7 +50,7 @@ class WorkerChecks:
         """A worker got more requests than it was ever seen running: scrape it now (at
         most every LEARN_CONFIRM_S), to learn its batch limit before a queue builds there."""
         h = self.pool.handle_of(endpoint)
-        if h is None:
+        if h is None or self._scrape_lock(h).locked():
             return
         now = asyncio.get_running_loop().time()
         if now - self._crowded_at.get(h.name, -LEARN_CONFIRM_S) < LEARN_CONFIRM_S:
@@ -113,9 +116,24 @@ class WorkerChecks:
             return None
 
     async def scrape(self) -> None:
-        await asyncio.gather(*(self._scrape_one(h) for h in list(self.pool.handles.values())))
+        handles = list(self.pool.handles.values())
+        for gone in self._scraping.keys() - {h.name for h in handles}:
+            del self._scraping[gone]
+            self._crowded_at.pop(gone, None)
+        await asyncio.gather(*(self._scrape_one(h) for h in handles))
+
+    def _scrape_lock(self, h: WorkerHandle) -> asyncio.Lock:
+        return self._scraping.setdefault(h.name, asyncio.Lock())
 
     async def _scrape_one(self, h: WorkerHandle, confirm: bool = True) -> None:
+        async with self._scrape_lock(h):
+            await self._scrape_now(h)
+        load = self.pool.fleet.load
+        if confirm and any(load.confirming(f.state.name) for f in h.feeds):
+            await asyncio.sleep(LEARN_CONFIRM_S)
+            await self._scrape_one(h, confirm=False)
+
+    async def _scrape_now(self, h: WorkerHandle) -> None:
         m = await self.fetch_metrics(h)
         if m is None:
             return
@@ -134,9 +152,6 @@ class WorkerChecks:
                 )
             elif f.state.rank is None:
                 load.scraped(f.state.name, m.running, m.waiting, m.kv_usage, m.num_gpu_blocks)
-        if confirm and any(load.confirming(f.state.name) for f in h.feeds):
-            await asyncio.sleep(LEARN_CONFIRM_S)
-            await self._scrape_one(h, confirm=False)
 
     # ---- what the worker serves ------------------------------------------------------
 
