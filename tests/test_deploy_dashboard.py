@@ -37,6 +37,7 @@ FAILURE_ONLY = {
     "kvroute_requests_shed_total",  # only under overload with --shed
     "kvroute_peer_placements_total",  # only between replicas (--peer)
     "kvroute_placement_waits_total",  # only between replicas, on a replica that waits
+    "kvroute_worker_batch_limit",  # only once an engine was seen with its batch full
     # the prefill->decode handoff's failures
     "kvroute_pd_local_fallbacks_total",
     "kvroute_pd_failed_pulls_total",

@@ -112,10 +112,15 @@ def traffic() -> list[Panel]:
                     f"sum by (worker) (kvroute_inflight_prefill_tokens{{{W}}})",
                     "{{worker}} prefill tokens",
                 ),
+                q(
+                    f"max by (worker) (kvroute_worker_batch_limit{{{W}}})",
+                    "{{worker}} batch limit (learned)",
+                ),
             ],
             "short",
             "Load as the router counts it: requests, and uncached prompt tokens awaiting their "
-            "first token",
+            "first token; and each engine's batch limit where kvroute learned it (a worker is "
+            "busy at that many requests)",
         ),
     ]
 
