@@ -106,6 +106,7 @@ class VllmServer:
         self._log_dir = Path(log_dir) if log_dir else None
         self._proc: subprocess.Popen[bytes] | None = None
         self._ports = (0, 0, 0)
+        self._log_start = 0  # where this start's lines begin in the (appended) log
         self.startup_s = 0.0
 
     # -- what is started -------------------------------------------------------------
@@ -231,6 +232,7 @@ class VllmServer:
     def _spawn_and_wait(self) -> None:
         started = time.monotonic()
         # The log is appended to, so a restart keeps the previous run's lines.
+        self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
         self._proc = spawn(self.command(), self.log_path, self.environment())
         _LIVE.add(self)
         try:
@@ -254,7 +256,17 @@ class VllmServer:
         return http_ok(self.url + "/health")
 
     def _lost_port_race(self) -> bool:
-        return "Address already in use" in self.log_tail()
+        """This start failed binding a port another process took since it was picked. The
+        whole start's log is read: the engine core's bind error comes before the API
+        server's own traceback of the failed start, which fills the log's last 40 lines
+        (measured in CI: a ZMQ event port lost, 87 lines above the end, and no retry)."""
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(self._log_start)
+                text = log.read().decode(errors="replace")
+        except OSError:
+            return False
+        return "Address already in use" in text
 
     def log_tail(self, lines: int = 40) -> str:
         return log_tail(self.log_path, lines)

@@ -200,3 +200,21 @@ def test_tokenizer_check_catches_a_different_chat_template(tmp_path: Path) -> No
     assert result.status == "fail"
     assert "chat[0]" in result.reason and "first difference" in result.reason
     assert result.evidence["cases"]["completion[0]"]["equal"] is True
+
+
+def test_a_port_lost_above_the_last_lines_of_the_start_is_retried(tmp_path: Path) -> None:
+    """vLLM's engine core reports a port another process took far above the API server's
+    traceback; only this start's lines count (the log is appended across restarts)."""
+    from conformance.vllm_server import VllmServer
+
+    server = VllmServer(tmp_path, log_dir=tmp_path)
+    server.log_path.write_text("an earlier start: Address already in use\n")
+    server._log_start = server.log_path.stat().st_size
+    with server.log_path.open("a") as log:
+        log.write("(EngineCore) zmq.error.ZMQError: Address already in use\n")
+        log.write("traceback line\n" * 100)
+    assert server._lost_port_race()
+    server._log_start = server.log_path.stat().st_size
+    with server.log_path.open("a") as log:
+        log.write("RuntimeError: Engine core initialization failed\n" + "line\n" * 100)
+    assert not server._lost_port_race()
