@@ -32,12 +32,17 @@ def scrape(
 
 
 def queued_twice(
-    load: LoadTracker, clock: FakeClock, worker: str = "w", running: int = 12, **kw: float
+    load: LoadTracker,
+    clock: FakeClock,
+    worker: str = "w",
+    running: int = 12,
+    waiting: int = 4,
+    waiting2: int = 4,
 ) -> None:
     """Two scrapes LEARN_CONFIRM_S apart showing `running` requests with a queue."""
-    scrape(load, worker, running, int(kw.pop("waiting", 4)), **kw)
+    scrape(load, worker, running, waiting)
     clock.advance(LEARN_CONFIRM_S)
-    scrape(load, worker, running, int(kw.pop("waiting2", 4)), **kw)
+    scrape(load, worker, running, waiting2)
 
 
 def test_a_queue_held_at_the_most_running_teaches_the_limit() -> None:
@@ -83,6 +88,17 @@ def test_a_queue_behind_prefill_work_is_the_token_budget_not_the_batch() -> None
     load.start("w", uncached_tokens=LEARN_MAX_PREFILL_TOKENS, blocks=64)
     queued_twice(load, clock)
     assert load.view("w").batch_limit is None
+
+
+def test_requests_waiting_for_a_prefill_of_their_prefix_are_not_a_full_batch() -> None:
+    # the engine holds a request whose cached prefix another request is still prefilling
+    load, clock = tracker()
+    for _ in range(3):
+        load.start("w", uncached_tokens=16, blocks=64, rides=True)
+    queued_twice(load, clock, running=1, waiting=4, waiting2=4)
+    assert load.view("w").batch_limit is None
+    queued_twice(load, clock, running=1, waiting=5, waiting2=5)
+    assert load.view("w").batch_limit == 1
 
 
 def test_a_queue_under_the_most_ever_running_teaches_nothing() -> None:

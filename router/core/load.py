@@ -113,12 +113,18 @@ class _Scraped:
 # (measured with every queue a scrape showed taken as a full batch: vllm-prefix-repetition
 # cached 0.618 against the ideal's 0.731, its engines queueing for KV blocks). So a scrape
 # teaches the limit only when nothing but a full batch explains the queue:
-LEARN_MIN_WAITING = 2  # one waiting request is often one that arrived since the last step
+# waiting requests, beyond this router's and its peers' riders there (`Ticket.rides`: they
+# wait for a prefill of their prefix in progress, as the engine holds them, not for a slot);
+# one is often a request that arrived since the engine's last step
+LEARN_MIN_WAITING = 2
 LEARN_KV_ROOM = 0.9  # KV use under this: the queue is not for blocks
 # this router's and its peers' uncached prompt tokens before their first token there under
-# this: the queue is not for the step's token budget (vLLM's --max-num-batched-tokens; its
-# defaults are 2,048 to 16,384 for the API server)
-LEARN_MAX_PREFILL_TOKENS = 1024
+# this: the queue is not for the step's token budget, which only prefill beyond it fills
+# (vLLM's --max-num-batched-tokens: its API server's defaults are 2,048 to 16,384 on GPUs,
+# 2,048 per rank on CPUs). Queued requests count too, so only a queue of mostly cached
+# prompts teaches, as a hot prefix's repeats are (at 1,024, twelve of them waiting held
+# ~1,300 tokens and taught nothing: hot-prefix-full-batch)
+LEARN_MAX_PREFILL_TOKENS = 2048
 LEARN_CONFIRM_S = 0.25  # ... and a scrape at least this much later shows the same
 
 
@@ -135,17 +141,17 @@ class _Batch:
     limit: int | None = None
 
     def scraped(
-        self, now: float, running: float, waiting: float, kv_usage: float | None, prefill: int
+        self, now: float, running: float, waiting: float, kv_usage: float | None, known: PeerLoad
     ) -> bool:
         """Take one scrape; True when it taught the limit."""
         if self.limit is not None and running > self.limit:
             self.limit = None
         full = (
             self.limit is None
-            and waiting >= LEARN_MIN_WAITING
+            and waiting - known.riders >= LEARN_MIN_WAITING
             and running >= max(1.0, self.most)
             and (kv_usage is None or kv_usage < LEARN_KV_ROOM)
-            and prefill < LEARN_MAX_PREFILL_TOKENS
+            and known.prefill_tokens < LEARN_MAX_PREFILL_TOKENS
         )
         self.most = max(self.most, running)
         if not full:
@@ -286,8 +292,8 @@ class LoadTracker:
         self._scraped[worker] = _Scraped(others, engine_blocks * share, kv_usage)
         batch = self._batch.setdefault(worker, _Batch())
         self._most_running = max(self._most_running, running)
-        prefill = self.known(worker).prefill_tokens
-        if batch.scraped(self.clock.now(), running, waiting, kv_usage, prefill):
+        known = self.known(worker)
+        if batch.scraped(self.clock.now(), running, waiting, kv_usage, known):
             log.info(
                 "worker %s queues requests at %d running with KV room and little prefill: "
                 "taking %d as its batch limit (vLLM's --max-num-seqs); it is busy there "
