@@ -47,18 +47,33 @@ class WorkerChecks:
             pool.fleet.load.on_crowded = self.crowded
 
     def crowded(self, endpoint: str) -> None:
-        """A worker got more requests than it was ever seen running: scrape it now (at
-        most every LEARN_CONFIRM_S), to learn its batch limit before a queue builds there."""
+        """A worker got more requests than it was ever seen running: scrape it now, to learn
+        its batch limit before a queue builds there. At most once a scrape interval: a
+        worker queueing for KV blocks stays crowded and never teaches a limit."""
         h = self.pool.handle_of(endpoint)
         if h is None or self._scrape_lock(h).locked():
             return
         now = asyncio.get_running_loop().time()
-        if now - self._crowded_at.get(h.name, -LEARN_CONFIRM_S) < LEARN_CONFIRM_S:
+        every = self.pool.config.scrape_interval_s
+        if now - self._crowded_at.get(h.name, -every) < every:
             return
         self._crowded_at[h.name] = now
-        task = asyncio.create_task(self._scrape_one(h))
+        task = asyncio.create_task(self._scrape_crowded(h))
         self._crowded_tasks.add(task)
         task.add_done_callback(self._crowded_tasks.discard)
+
+    async def _scrape_crowded(self, h: WorkerHandle) -> None:
+        try:
+            await self._scrape_one(h)
+        except Exception:  # as the periodic loop: a failing probe is logged, never raised
+            log.exception("scraping crowded worker %s failed", h.name)
+
+    async def stop(self) -> None:
+        """Cancel the scrapes of crowded workers still under way (the pool is stopping)."""
+        tasks = list(self._crowded_tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     # ---- health ----------------------------------------------------------------------
 
@@ -135,23 +150,31 @@ class WorkerChecks:
 
     async def _scrape_now(self, h: WorkerHandle) -> None:
         m = await self.fetch_metrics(h)
-        if m is None:
-            return
+        if m is None or self.pool.handles.get(h.name) is not h:
+            return  # failed, or the worker was removed (or replaced) meanwhile
         load = self.pool.fleet.load
-        if _restarted(h.metrics, m):
-            for f in h.feeds:
-                load.restarted(f.state.name)
+        if _restarted(h.metrics, m):  # rediscovering forgets its batch limit too
             h.metrics = m
             await self.pool.rediscover(h, "its /metrics counters went back (engine restart)")
         h.metrics = m
         for f in h.feeds:
             rank = m.by_rank.get(f.state.rank) if f.state.rank is not None else None
+            # an engine serving LoRA adapters also queues requests for an adapter it has no
+            # slot for (vLLM's --max-loras) while its batch has room
+            learn = not f.state.adapters
             if rank is not None:
                 load.scraped(
-                    f.state.name, rank.running, rank.waiting, rank.kv_usage, m.num_gpu_blocks
+                    f.state.name,
+                    rank.running,
+                    rank.waiting,
+                    rank.kv_usage,
+                    m.num_gpu_blocks,
+                    learn,
                 )
             elif f.state.rank is None:
-                load.scraped(f.state.name, m.running, m.waiting, m.kv_usage, m.num_gpu_blocks)
+                load.scraped(
+                    f.state.name, m.running, m.waiting, m.kv_usage, m.num_gpu_blocks, learn
+                )
 
     # ---- what the worker serves ------------------------------------------------------
 

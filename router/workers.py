@@ -152,6 +152,7 @@ class WorkerPool:
     async def stop(self) -> None:
         for task in self._loops:
             task.cancel()
+        await self.checks.stop()
         for h in list(self.handles.values()):
             await self._stop_feeds(h)
         for task in self._loops:
@@ -352,6 +353,7 @@ class WorkerPool:
             for f in h.feeds:
                 f.ingest = f.subscriber = f.source = None
                 self.fleet.forget_cache(f.state.name)
+                self.fleet.load.restarted(f.state.name)  # its batch limit may differ too
                 f.state.health = self.health_tracker(f.state.name, h)
             await self.discover(h)
 

@@ -12,9 +12,13 @@ from test_serve import kvroute
 
 from engines.sim.config import SimConfig
 from indexer.clock import FakeClock
+from indexer.hashing import Namespace
 from router.cli import build_parser
 from router.core.config import Config
+from router.core.decision import RouteRequest
+from router.core.errors import Overloaded
 from router.core.filters import BusyFilter, BusyParams
+from router.core.fleet import FleetState
 from router.core.load import LEARN_CONFIRM_S, LEARN_MAX_PREFILL_TOKENS, LoadTracker, LoadView
 from router.core.scoring import Candidate
 from router.serve_cli import load_config
@@ -147,6 +151,14 @@ def test_a_worker_sent_more_than_it_ever_ran_is_scraped_now() -> None:
     assert crowded == ["w"]  # the limit is known
 
 
+def request() -> RouteRequest:
+    return RouteRequest(model="", namespace=Namespace(), prompt_tokens=48)
+
+
+def fleet() -> FleetState:
+    return FleetState(FakeClock())
+
+
 def cand(requests: int, limit: int | None) -> Candidate:
     return Candidate("w", 16, {}, LoadView(requests, 0, 0, None, batch_limit=limit), 0, 100)
 
@@ -160,6 +172,29 @@ def test_the_busy_filter_holds_a_worker_at_its_learned_batch() -> None:
     assert BusyFilter(BusyParams(learn_batch=False))._why(cand(12, 12)) is None
     tighter = BusyFilter(BusyParams(max_requests=8))._why(cand(8, 12))
     assert tighter is not None and "busy_max_requests 8" in tighter
+
+
+def test_a_learned_limit_never_sheds() -> None:
+    # a 429 at kvroute's own inference would refuse work the engine can queue, and a limit
+    # learned too low could never show itself wrong
+    shed = BusyFilter(BusyParams(max_kv_usage=0.95, shed=True))
+    learned = {"w": shed._why(cand(12, 12)) or ""}
+    assert learned["w"].endswith("learned from its /metrics")
+    assert shed.when_empty(request(), learned, fleet()) is None
+    bound = BusyFilter(BusyParams(max_requests=8, shed=True))
+    assert isinstance(
+        bound.when_empty(request(), {"w": bound._why(cand(12, 12)) or ""}, fleet()), Overloaded
+    )
+
+
+def test_a_worker_serving_lora_adapters_learns_no_limit() -> None:
+    # vLLM holds requests for an adapter it has no slot for (--max-loras) while its batch
+    # has room: that queue teaches nothing
+    load, clock = tracker()
+    for _ in range(2):
+        load.scraped("w", 5, 4, 0.3, capacity_blocks=1000, learn_batch=False)
+        clock.advance(LEARN_CONFIRM_S)
+    assert load.view("w").batch_limit is None
 
 
 def test_learning_is_on_by_default_and_a_flag_turns_it_off() -> None:

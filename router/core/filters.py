@@ -259,6 +259,9 @@ class BusyParams:
             raise ValueError(f"max_kv_usage {self.max_kv_usage}: must be in (0, 1] (or unset)")
 
 
+LEARNED = "learned from its /metrics"  # ends a busy reason that only the learned limit gave
+
+
 class BusyFilter:
     """An endpoint at a busy bound takes no new request while another one can. KV use is
     the engine's own gauge when scraped, else this router's decode blocks over the cache."""
@@ -279,24 +282,31 @@ class BusyFilter:
         return out
 
     def _why(self, c: Candidate) -> str | None:
+        """Why `c` is busy (None: it is not): the operator's bounds first, then the learned
+        batch limit, which never sheds (`when_empty`)."""
         p = self.params
         if p.max_requests is not None and c.load.requests >= p.max_requests:
             return f"busy: {c.load.requests} running+waiting >= busy_max_requests {p.max_requests}"
+        usage = kv_usage(c)
+        if p.max_kv_usage is not None and usage is not None and usage >= p.max_kv_usage:
+            return f"busy: KV cache {usage:.2f} full >= busy_max_kv_usage {p.max_kv_usage}"
         limit = c.load.batch_limit
         if p.learn_batch and limit is not None and c.load.requests >= limit:
             return (
                 f"busy: {c.load.requests} running+waiting >= its engine's batch of {limit}, "
-                "learned from its /metrics"
+                f"{LEARNED}"
             )
-        usage = kv_usage(c)
-        if p.max_kv_usage is not None and usage is not None and usage >= p.max_kv_usage:
-            return f"busy: KV cache {usage:.2f} full >= busy_max_kv_usage {p.max_kv_usage}"
         return None
 
     def when_empty(
         self, req: RouteRequest, excluded: Mapping[str, str], fleet: FleetState
     ) -> KvrouteError | None:
         if not self.params.shed or req.dry_run:
+            return None
+        if any(why.endswith(LEARNED) for why in excluded.values()):
+            # a learned limit is kvroute's inference, not the operator's bound: queueing on
+            # the engine beats a 429, and a limit learned too low could never show itself
+            # wrong if requests past it were refused
             return None
         return Overloaded(
             f"All {len(excluded)} eligible workers are busy ({self._bounds()}) and kvroute "

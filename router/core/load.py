@@ -141,13 +141,24 @@ class _Batch:
     limit: int | None = None
 
     def scraped(
-        self, now: float, running: float, waiting: float, kv_usage: float | None, known: PeerLoad
-    ) -> bool:
-        """Take one scrape; True when it taught the limit."""
+        self,
+        now: float,
+        running: float,
+        waiting: float,
+        kv_usage: float | None,
+        known: PeerLoad,
+        learn: bool = True,
+    ) -> str | None:
+        """Take one scrape; "learned" or "dropped" when it changed the limit. `learn`:
+        False where the engine also queues for another reason no scrape tells apart (a
+        worker serving LoRA adapters holds requests for an adapter not loaded yet)."""
         if self.limit is not None and running > self.limit:
             self.limit = None
+            self.most = max(self.most, running)
+            return "dropped"
         full = (
-            self.limit is None
+            learn
+            and self.limit is None
             and waiting - known.riders >= LEARN_MIN_WAITING
             and running >= max(1.0, self.most)
             and (kv_usage is None or kv_usage < LEARN_KV_ROOM)
@@ -161,8 +172,8 @@ class _Batch:
         elif now - self.pending_at >= LEARN_CONFIRM_S:  # two scrapes close together: one moment
             self.limit = int(running)
             self.pending = None
-            return True
-        return False
+            return "learned"
+        return None
 
 
 @dataclass
@@ -284,6 +295,7 @@ class LoadTracker:
         waiting: float,
         kv_usage: float | None,
         capacity_blocks: int | None,
+        learn_batch: bool = True,
     ) -> None:
         engine_requests = running + waiting
         others = max(0.0, engine_requests - self.known(worker).requests)
@@ -293,14 +305,21 @@ class LoadTracker:
         batch = self._batch.setdefault(worker, _Batch())
         self._most_running = max(self._most_running, running)
         known = self.known(worker)
-        if batch.scraped(self.clock.now(), running, waiting, kv_usage, known):
+        change = batch.scraped(self.clock.now(), running, waiting, kv_usage, known, learn_batch)
+        if change == "learned":
             log.info(
-                "worker %s queues requests at %d running with KV room and little prefill: "
-                "taking %d as its batch limit (vLLM's --max-num-seqs); it is busy there "
-                "(--busy-max-requests sets a lower bound, --no-busy-learn-batch turns this off)",
+                "worker %s queues requests at %d running with KV room and little prefill "
+                "ahead: it is busy at %d, taken as its batch limit (vLLM's --max-num-seqs; "
+                "--busy-max-requests sets a lower bound, --no-busy-learn-batch turns this off)",
                 worker,
                 batch.limit,
-                batch.limit,
+                self.batch_limit(worker),
+            )
+        elif change == "dropped":
+            log.info(
+                "worker %s runs %d requests, more than its learned batch limit: dropped",
+                worker,
+                running,
             )
 
     def confirming(self, worker: str) -> bool:
@@ -339,8 +358,8 @@ class LoadTracker:
         """`worker`'s learned batch limit, raised to the most any worker was seen running:
         a limit learned from a queue that was not for slots after all (an engine's step
         can stall for reasons no scrape shows) would otherwise hold itself in place, as
-        the worker never gets more requests to show it wrong. Workers of one pool run one
-        set of flags; a fleet mixing batch sizes is protected up to its largest."""
+        the worker never gets more requests to show it wrong. The floor spans the fleet,
+        every pool and role: a fleet mixing batch sizes is protected up to its largest."""
         b = self._batch.get(worker)
         if b is None or b.limit is None:
             return None

@@ -1,0 +1,149 @@
+"""The learned batch limit through the real worker pool and its probes, over an in-process
+vLLM-shaped /metrics (httpx's MockTransport): restarts, removals, shutdown, scrape rate."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from indexer.clock import FakeClock
+from router.core.config import Config, WorkerConfig
+from router.core.fleet import FleetState
+from router.core.load import LEARN_CONFIRM_S
+from router.workers import WorkerPool
+
+BIG, SMALL = "10.0.0.1:8000", "10.0.0.2:8000"
+
+
+@dataclass
+class Engine:
+    running: int = 0
+    waiting: int = 0
+    kv: float = 0.3
+    queries: int = 1000  # vllm:prefix_cache_queries_total: going back reads as a restart
+    healthy: bool = True
+    scrapes: int = 0
+    gate: asyncio.Event | None = None  # /metrics answers once it is set
+
+    def metrics(self) -> str:
+        return (
+            f'vllm:num_requests_running{{engine="0"}} {self.running}\n'
+            f'vllm:num_requests_waiting{{engine="0"}} {self.waiting}\n'
+            f'vllm:kv_cache_usage_perc{{engine="0"}} {self.kv}\n'
+            f'vllm:prefix_cache_queries_total{{engine="0"}} {self.queries}\n'
+            f'vllm:prefix_cache_hits_total{{engine="0"}} 0\n'
+        )
+
+
+@dataclass
+class Fleet:
+    engines: dict[str, Engine] = field(default_factory=dict)
+
+    async def handle(self, req: httpx.Request) -> httpx.Response:
+        e = self.engines[req.url.netloc.decode()]
+        if not e.healthy:
+            raise httpx.ConnectError("down", request=req)
+        if req.url.path == "/metrics":
+            e.scrapes += 1
+            if e.gate is not None:
+                await e.gate.wait()
+            return httpx.Response(200, text=e.metrics())
+        if req.url.path == "/health":
+            return httpx.Response(200)
+        if req.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m", "max_model_len": 4096}]})
+        return httpx.Response(404)
+
+
+class _NoTokenizers:
+    def local(self, model: str) -> None:
+        return None
+
+
+async def pool_of(*hosts: str, **config: Any) -> tuple[WorkerPool, Fleet, FakeClock]:
+    fleet = Fleet({h: Engine() for h in hosts})
+    clock = FakeClock()
+    workers = tuple(WorkerConfig(f"http://{h}") for h in hosts)
+    client = httpx.AsyncClient(transport=httpx.MockTransport(fleet.handle))
+    cfg = Config(workers=workers, mode="approx", **config)
+    pool = WorkerPool(cfg, FleetState(clock), client, clock, _NoTokenizers())  # type: ignore[arg-type]
+    await pool.set_workers(workers)
+    return pool, fleet, clock
+
+
+async def learn(pool: WorkerPool, clock: FakeClock) -> None:
+    await pool.checks.scrape()
+    clock.advance(LEARN_CONFIRM_S)
+    await pool.checks.scrape()
+
+
+async def test_an_engine_restart_the_health_checks_see_first_forgets_its_limit() -> None:
+    pool, fleet, clock = await pool_of(BIG)
+    e = fleet.engines[BIG]
+    e.running, e.waiting = 4, 3
+    await learn(pool, clock)
+    assert pool.fleet.load.batch_limit(BIG) == 4
+    e.healthy = False
+    for _ in range(3):
+        await pool.checks.health()
+    assert not pool.handles[BIG].available
+    # back with fresh counters (and maybe another --max-num-seqs): the health loop
+    # rediscovers it before any scrape compares its counters
+    e.healthy, e.queries, e.waiting = True, 5, 0
+    await pool.checks.health()
+    await pool.checks.scrape()
+    assert pool.fleet.load.batch_limit(BIG) is None
+    await pool.client.aclose()
+
+
+async def test_a_removed_workers_late_scrape_does_not_hold_the_floor_up() -> None:
+    pool, fleet, clock = await pool_of(BIG, SMALL)
+    fleet.engines[BIG].running = 64
+    fleet.engines[SMALL].running, fleet.engines[SMALL].waiting = 12, 4
+    gate = fleet.engines[BIG].gate = asyncio.Event()
+    scrape = asyncio.create_task(pool.checks.scrape())
+    await asyncio.sleep(0.05)  # BIG's scrape is in flight ...
+    await pool.set_workers((WorkerConfig(f"http://{SMALL}"),))  # ... when it is removed
+    gate.set()
+    await scrape
+    clock.advance(LEARN_CONFIRM_S)
+    await pool.checks.scrape()
+    assert pool.fleet.load.batch_limit(SMALL) == 12  # not the removed worker's 64
+    await pool.client.aclose()
+
+
+async def test_stopping_the_pool_cancels_a_crowded_workers_scrape() -> None:
+    pool, fleet, _ = await pool_of(BIG)
+    load = pool.fleet.load
+    fleet.engines[BIG].running, fleet.engines[BIG].waiting = 1, 3
+    load.scraped(BIG, 1, 0, 0.3, 1000)
+    load.start(BIG, 10, 1)
+    load.start(BIG, 10, 1)  # 2 sent, 1 ever seen running: scraped at once
+    tasks = set(pool.checks._crowded_tasks)
+    assert tasks
+    await asyncio.sleep(0.05)  # scraped; now waiting to confirm
+    await pool.stop()
+    await pool.client.aclose()
+    assert all(t.done() for t in tasks)
+
+
+async def test_a_worker_that_stays_crowded_is_scraped_at_most_twice_an_interval() -> None:
+    # queueing for KV blocks: more requests than it ever ran, and it never teaches a limit
+    pool, fleet, _ = await pool_of(BIG, scrape_interval_s=0.5, health_check_interval_s=60)
+    e = fleet.engines[BIG]
+    e.running, e.waiting, e.kv = 20, 10, 0.97
+    await pool.start(pool.config.workers)
+    load = pool.fleet.load
+    tickets = [load.start(BIG, 100, 10) for _ in range(30)]
+    e.scrapes = 0
+    for _ in range(150):  # 1.5 s at 100 requests a second
+        load.finish(tickets.pop(0))
+        tickets.append(load.start(BIG, 100, 10))
+        await asyncio.sleep(0.01)
+    await pool.stop()
+    await pool.client.aclose()
+    assert load.batch_limit(BIG) is None
+    assert e.scrapes <= 2 * (1.5 / 0.5) + 2  # periodic ones, and one at once between each
