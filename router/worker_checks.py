@@ -159,9 +159,10 @@ class WorkerChecks:
         h.metrics = m
         for f in h.feeds:
             rank = m.by_rank.get(f.state.rank) if f.state.rank is not None else None
-            # an engine serving LoRA adapters also queues requests for an adapter it has no
-            # slot for (vLLM's --max-loras) while its batch has room
-            learn = not f.state.adapters
+            # engines that also queue requests while their batch has room teach nothing: one
+            # serving LoRA adapters, for an adapter it has no slot for (vLLM's --max-loras);
+            # a handoff's decode worker, for KV still on its way (WAITING_FOR_REMOTE_KVS)
+            learn = not f.state.adapters and f.state.role == "both"
             if rank is not None:
                 load.scraped(
                     f.state.name,

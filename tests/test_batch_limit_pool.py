@@ -147,3 +147,18 @@ async def test_a_worker_that_stays_crowded_is_scraped_at_most_twice_an_interval(
     await pool.client.aclose()
     assert load.batch_limit(BIG) is None
     assert e.scrapes <= 2 * (1.5 / 0.5) + 2  # periodic ones, and one at once between each
+
+
+async def test_prefill_and_decode_workers_learn_no_limit() -> None:
+    # a handoff's decode engine holds requests whose KV is on its way while its batch has room
+    pool, fleet, clock = await pool_of(BIG)
+    e = fleet.engines[BIG]
+    e.running, e.waiting = 4, 3
+    pool.fleet.workers[BIG].role = "decode"
+    await learn(pool, clock)
+    assert pool.fleet.load.batch_limit(BIG) is None
+    pool.fleet.workers[BIG].role = "both"
+    clock.advance(LEARN_CONFIRM_S)
+    await learn(pool, clock)
+    assert pool.fleet.load.batch_limit(BIG) == 4
+    await pool.client.aclose()
