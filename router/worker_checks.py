@@ -158,24 +158,17 @@ class WorkerChecks:
             await self.pool.rediscover(h, "its /metrics counters went back (engine restart)")
         h.metrics = m
         for f in h.feeds:
-            rank = m.by_rank.get(f.state.rank) if f.state.rank is not None else None
+            # a DP rank's own figures; a rank its engine did not report is left as it was
+            src = m.by_rank.get(f.state.rank) if f.state.rank is not None else m
+            if src is None:
+                continue
             # engines that also queue requests while their batch has room teach nothing: one
             # serving LoRA adapters, for an adapter it has no slot for (vLLM's --max-loras);
             # a handoff's decode worker, for KV still on its way (WAITING_FOR_REMOTE_KVS)
             learn = not f.state.adapters and f.state.role == "both"
-            if rank is not None:
-                load.scraped(
-                    f.state.name,
-                    rank.running,
-                    rank.waiting,
-                    rank.kv_usage,
-                    m.num_gpu_blocks,
-                    learn,
-                )
-            elif f.state.rank is None:
-                load.scraped(
-                    f.state.name, m.running, m.waiting, m.kv_usage, m.num_gpu_blocks, learn
-                )
+            load.scraped(
+                f.state.name, src.running, src.waiting, src.kv_usage, m.num_gpu_blocks, learn
+            )
 
     # ---- what the worker serves ------------------------------------------------------
 

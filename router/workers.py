@@ -353,7 +353,7 @@ class WorkerPool:
             for f in h.feeds:
                 f.ingest = f.subscriber = f.source = None
                 self.fleet.forget_cache(f.state.name)
-                self.fleet.load.restarted(f.state.name)  # its batch limit may differ too
+                self.fleet.load.forget_batch(f.state.name)  # its batch limit may differ too
                 f.state.health = self.health_tracker(f.state.name, h)
             await self.discover(h)
 

@@ -119,7 +119,7 @@ def test_more_running_than_the_limit_unlearns_it_and_a_restart_forgets_it() -> N
     assert load.view("w").batch_limit is None
     queued_twice(load, clock, running=16)
     assert load.view("w").batch_limit == 16
-    load.restarted("w")
+    load.forget_batch("w")  # a restarted engine
     scrape(load, "w", 4, 0)
     assert load.view("w").batch_limit is None
     queued_twice(load, clock, running=8)  # the new engine's smaller batch is learned

@@ -152,19 +152,18 @@ class _Batch:
         """Take one scrape; "learned" or "dropped" when it changed the limit. `learn`:
         False where the engine also queues for another reason no scrape tells apart (a
         worker serving LoRA adapters holds requests for an adapter not loaded yet)."""
+        self.most = max(self.most, running)
         if self.limit is not None and running > self.limit:
             self.limit = None
-            self.most = max(self.most, running)
             return "dropped"
         full = (
             learn
             and self.limit is None
             and waiting - known.riders >= LEARN_MIN_WAITING
-            and running >= max(1.0, self.most)
+            and running >= max(1.0, self.most)  # the most it ever ran, this scrape's included
             and (kv_usage is None or kv_usage < LEARN_KV_ROOM)
             and known.prefill_tokens < LEARN_MAX_PREFILL_TOKENS
         )
-        self.most = max(self.most, running)
         if not full:
             self.pending = None
         elif self.pending != running:
@@ -297,14 +296,14 @@ class LoadTracker:
         capacity_blocks: int | None,
         learn_batch: bool = True,
     ) -> None:
+        known = self.known(worker)
         engine_requests = running + waiting
-        others = max(0.0, engine_requests - self.known(worker).requests)
+        others = max(0.0, engine_requests - known.requests)
         engine_blocks = (kv_usage or 0.0) * (capacity_blocks or 0)
         share = others / engine_requests if engine_requests else 0.0
         self._scraped[worker] = _Scraped(others, engine_blocks * share, kv_usage)
         batch = self._batch.setdefault(worker, _Batch())
         self._most_running = max(self._most_running, running)
-        known = self.known(worker)
         change = batch.scraped(self.clock.now(), running, waiting, kv_usage, known, learn_batch)
         if change == "learned":
             log.info(
@@ -327,11 +326,9 @@ class LoadTracker:
         b = self._batch.get(worker)
         return b is not None and b.pending is not None
 
-    def restarted(self, worker: str) -> None:
-        """A new engine process: its batch limit may differ."""
-        self._forget_batch(worker)
-
-    def _forget_batch(self, worker: str) -> None:
+    def forget_batch(self, worker: str) -> None:
+        """Forget what `worker`'s scrapes taught of its batch (removed, or a new engine
+        process whose batch limit may differ)."""
         if self._batch.pop(worker, None) is not None:
             self._most_running = max((b.most for b in self._batch.values()), default=0.0)
 
@@ -370,6 +367,6 @@ class LoadTracker:
         self._scraped.pop(worker, None)
         self._peers.pop(worker, None)
         self._busy.pop(worker, None)
-        self._forget_batch(worker)
+        self.forget_batch(worker)
         for watcher in self.watchers:
             watcher(worker)
