@@ -30,6 +30,7 @@ class RankLoad:
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float | None = None
+    deferred: float | None = None  # as EngineMetrics.deferred
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,11 @@ class EngineMetrics:
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float | None = None
+    # of `waiting`, those the engine holds for something other than room in its batch (vLLM
+    # 0.32's `num_requests_waiting_by_reason{reason="deferred"}`: an adapter with no LoRA
+    # slot, KV still arriving from a prefill worker, a grammar compiling); None where the
+    # engine does not split its queue
+    deferred: float | None = None
     block_size: int | None = None
     num_gpu_blocks: int | None = None
     prefix_caching: bool | None = None

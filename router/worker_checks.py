@@ -162,12 +162,20 @@ class WorkerChecks:
             src = m.by_rank.get(f.state.rank) if f.state.rank is not None else m
             if src is None:
                 continue
-            # engines that also queue requests while their batch has room teach nothing: one
-            # serving LoRA adapters, for an adapter it has no slot for (vLLM's --max-loras);
-            # a handoff's decode worker, for KV still on its way (WAITING_FOR_REMOTE_KVS)
-            learn = not f.state.adapters and f.state.role == "both"
+            # engines also queue requests while their batch has room: one serving LoRA
+            # adapters, for an adapter it has no slot for (vLLM's --max-loras); a handoff's
+            # decode worker, for KV still on its way (WAITING_FOR_REMOTE_KVS). An engine that
+            # counts those apart (vLLM >= 0.32: "deferred") still teaches; one that does not
+            # teaches nothing there
+            learn = src.deferred is not None or (not f.state.adapters and f.state.role == "both")
             load.scraped(
-                f.state.name, src.running, src.waiting, src.kv_usage, m.num_gpu_blocks, learn
+                f.state.name,
+                src.running,
+                src.waiting,
+                src.kv_usage,
+                m.num_gpu_blocks,
+                learn,
+                src.deferred,
             )
 
     # ---- what the worker serves ------------------------------------------------------

@@ -197,6 +197,20 @@ def test_a_worker_serving_lora_adapters_learns_no_limit() -> None:
     assert load.view("w").batch_limit is None
 
 
+def test_requests_the_engine_defers_are_not_a_queue_for_slots() -> None:
+    # vLLM 0.32 counts the requests it holds for a LoRA slot, KV in transfer or a grammar
+    # apart ("deferred"); only the rest of the queue can show a full batch
+    load, clock = tracker()
+    for _ in range(2):
+        load.scraped("w", 5, 4, 0.3, capacity_blocks=1000, deferred=3)
+        clock.advance(LEARN_CONFIRM_S)
+    assert load.view("w").batch_limit is None  # one request waits for a slot
+    for _ in range(2):
+        load.scraped("w", 5, 4, 0.3, capacity_blocks=1000, deferred=2)
+        clock.advance(LEARN_CONFIRM_S)
+    assert load.view("w").batch_limit == 5
+
+
 def test_learning_is_on_by_default_and_a_flag_turns_it_off() -> None:
     assert Config().busy_learn_batch is True
     args = build_parser("serve").parse_args(

@@ -27,15 +27,30 @@ class Engine:
     healthy: bool = True
     scrapes: int = 0
     gate: asyncio.Event | None = None  # /metrics answers once it is set
+    # vllm:num_requests_waiting_by_reason{reason="deferred"} (vLLM >= 0.32); None: not exported
+    deferred: int | None = None
+    adapter: bool = False  # serves a LoRA adapter beside its base model
 
     def metrics(self) -> str:
-        return (
+        page = (
             f'vllm:num_requests_running{{engine="0"}} {self.running}\n'
             f'vllm:num_requests_waiting{{engine="0"}} {self.waiting}\n'
             f'vllm:kv_cache_usage_perc{{engine="0"}} {self.kv}\n'
             f'vllm:prefix_cache_queries_total{{engine="0"}} {self.queries}\n'
             f'vllm:prefix_cache_hits_total{{engine="0"}} 0\n'
         )
+        if self.deferred is not None:
+            capacity = self.waiting - self.deferred
+            page += (
+                f'vllm:num_requests_waiting_by_reason{{engine="0",reason="capacity"}} {capacity}\n'
+                f'vllm:num_requests_waiting_by_reason{{engine="0",reason="deferred"}} '
+                f"{self.deferred}\n"
+            )
+        return page
+
+    def models(self) -> list[dict[str, Any]]:
+        base = {"id": "m", "max_model_len": 4096}
+        return [base, {"id": "m-lora", "parent": "m"}] if self.adapter else [base]
 
 
 @dataclass
@@ -54,7 +69,7 @@ class Fleet:
         if req.url.path == "/health":
             return httpx.Response(200)
         if req.url.path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": "m", "max_model_len": 4096}]})
+            return httpx.Response(200, json={"data": e.models()})
         return httpx.Response(404)
 
 
@@ -63,8 +78,10 @@ class _NoTokenizers:
         return None
 
 
-async def pool_of(*hosts: str, **config: Any) -> tuple[WorkerPool, Fleet, FakeClock]:
-    fleet = Fleet({h: Engine() for h in hosts})
+async def pool_of(
+    *hosts: str, engine: Engine | None = None, **config: Any
+) -> tuple[WorkerPool, Fleet, FakeClock]:
+    fleet = Fleet({h: Engine(**vars(engine)) if engine else Engine() for h in hosts})
     clock = FakeClock()
     workers = tuple(WorkerConfig(f"http://{h}") for h in hosts)
     client = httpx.AsyncClient(transport=httpx.MockTransport(fleet.handle))
@@ -162,3 +179,16 @@ async def test_prefill_and_decode_workers_learn_no_limit() -> None:
     await learn(pool, clock)
     assert pool.fleet.load.batch_limit(BIG) == 4
     await pool.client.aclose()
+
+
+async def test_a_lora_worker_learns_its_limit_where_its_engine_counts_deferred_apart() -> None:
+    # the queue an adapter without a slot builds is vLLM 0.32's "deferred"; without that
+    # split a LoRA worker's queue teaches nothing, with it only the requests for slots do
+    for deferred, learned in ((None, None), (3, None), (1, 4)):
+        pool, fleet, clock = await pool_of(BIG, engine=Engine(adapter=True))
+        assert pool.handles[BIG].feeds[0].state.adapters
+        e = fleet.engines[BIG]
+        e.running, e.waiting, e.deferred = 4, 4, deferred
+        await learn(pool, clock)
+        assert pool.fleet.load.batch_limit(BIG) == learned, deferred
+        await pool.client.aclose()

@@ -30,7 +30,10 @@ LOOKALIKES = [
 ]
 VALUE_TEXT = st.text(alphabet='ab 7,={}"\\\n\tÜ🚀', max_size=12)
 LABEL_NAMES = st.sampled_from(
-    ["engine", "model_name", "block_size", "num_gpu_blocks", "prefix_caching_hash_algo", "x_y"]
+    [
+        *("engine", "model_name", "reason", "x_y"),
+        *("block_size", "num_gpu_blocks", "prefix_caching_hash_algo"),
+    ]
 )
 
 
@@ -49,6 +52,8 @@ def sample_line(draw: st.DrawFn) -> str:
     labels = draw(st.dictionaries(LABEL_NAMES, st.one_of(VALUE_TEXT, st.integers(0, 3).map(str))))
     if name == "vllm:num_requests_running" and draw(st.booleans()):
         labels["engine"] = str(draw(st.integers(0, 2)))
+    if name == "vllm:num_requests_waiting_by_reason" and draw(st.booleans()):
+        labels["reason"] = draw(st.sampled_from(["deferred", "capacity"]))
     sep = draw(st.sampled_from([",", ", "]))
     body = sep.join(f'{k}="{_escape(v)}"' for k, v in labels.items())
     trailing = draw(st.sampled_from(["", ","])) if labels else ""
@@ -105,6 +110,7 @@ def _vllm_like_page(engines: int = 1) -> str:
     labels = ["model_name", "engine"]
     running = Gauge("vllm:num_requests_running", "x", labels, registry=r)
     waiting = Gauge("vllm:num_requests_waiting", "x", labels, registry=r)
+    by_reason = Gauge("vllm:num_requests_waiting_by_reason", "x", [*labels, "reason"], registry=r)
     usage = Gauge("vllm:kv_cache_usage_perc", "x", labels, registry=r)
     queries = Counter("vllm:prefix_cache_queries", "x", labels, registry=r)
     hits = Counter("vllm:prefix_cache_hits", "x", labels, registry=r)
@@ -119,7 +125,9 @@ def _vllm_like_page(engines: int = 1) -> str:
     for e in range(engines):
         lv = ("m", str(e))
         running.labels(*lv).set(3 + e)
-        waiting.labels(*lv).set(e)
+        waiting.labels(*lv).set(3 * e)
+        by_reason.labels(*lv, "capacity").set(2 * e)
+        by_reason.labels(*lv, "deferred").set(e)
         usage.labels(*lv).set(0.25 * (e + 1))
         queries.labels(*lv).inc(1000)
         hits.labels(*lv).inc(400 + e)
@@ -138,6 +146,9 @@ def test_a_vllm_shaped_page_reads_the_same_both_ways(engines: int) -> None:
     assert fast.hash_algo == "sha256_cbor" and fast.prefix_caching is True
     assert fast.prefix_hits == sum(400 + e for e in range(engines))
     assert sorted(fast.by_rank) == list(range(engines))
+    # of the waiting, those vLLM holds for something other than a slot, per rank and in all
+    assert [fast.by_rank[e].deferred for e in range(engines)] == [float(e) for e in range(engines)]
+    assert fast.deferred == sum(range(engines)) and fast.waiting == 3 * sum(range(engines))
     # KV use is the mean over ranks: each rank's cache is its own
     mean = sum(0.25 * (e + 1) for e in range(engines)) / engines
     assert fast.kv_usage is not None and math.isclose(fast.kv_usage, mean)
@@ -151,6 +162,18 @@ def test_an_unusual_wanted_line_falls_back_to_the_full_parser() -> None:
         list(wanted_samples(odd, READ_METRICS))
     with pytest.raises(ValueError):
         parse_metrics(odd)
+
+
+def test_an_engine_that_does_not_split_its_queue_reads_as_unknown() -> None:
+    # before vLLM 0.32 there is no num_requests_waiting_by_reason: "deferred" is unknown
+    # (None), not 0, so a LoRA worker's queue does not read as all for slots
+    m = parse_metrics('vllm:num_requests_waiting{engine="0"} 4\n')
+    assert m.deferred is None and m.by_rank[0].deferred is None
+    only_capacity = (
+        'vllm:num_requests_waiting{engine="0"} 4\n'
+        'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 4\n'
+    )
+    assert parse_metrics(only_capacity).deferred is None
 
 
 def test_unwanted_lines_are_not_parsed() -> None:

@@ -163,6 +163,11 @@ async def test_metrics_have_vllm_names(client: httpx.AsyncClient) -> None:
     for name in (
         'vllm:num_requests_running{engine="0",model_name="kvroute-sim"} 0.0',
         'vllm:num_requests_waiting{engine="0",model_name="kvroute-sim"} 0.0',
+        *(
+            'vllm:num_requests_waiting_by_reason{engine="0",model_name="kvroute-sim",'
+            f'reason="{reason}"}} 0.0'
+            for reason in ("capacity", "deferred")
+        ),
         'vllm:kv_cache_usage_perc{engine="0",model_name="kvroute-sim"} 0.0',
         'vllm:time_to_first_token_seconds_count{engine="0",model_name="kvroute-sim"} 2.0',
     ):

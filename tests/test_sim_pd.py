@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -14,6 +15,7 @@ import zmq
 
 from engines.sim.pd_fleet import PDFleetProcess, start_pd_fleet
 from engines.sim.pd_metrics import PDSnapshot, pd_snapshot
+from engines.vllm.discovery import parse_metrics
 from engines.vllm.events import BlockStored, decode_wire
 
 pytestmark = pytest.mark.slow
@@ -215,14 +217,31 @@ def test_malformed_block_ids_answer_500_and_the_worker_lives(fleet: PDFleetProce
     assert httpx.get(d + "/health", timeout=5).status_code == 200
 
 
+def _waiting(url: str) -> tuple[float, float]:
+    """The decode worker's vllm:num_requests_waiting and its "deferred" part."""
+    m = parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
+    return m.waiting, m.deferred if m.deferred is not None else -1.0
+
+
 def test_throttled_link_takes_at_least_its_time(fleet: PDFleetProcess) -> None:
-    """A lower bound only: the emulated link sleeps the time the bytes still need."""
+    """A lower bound only: the emulated link sleeps the time the bytes still need. While
+    the pull runs, the request waits and is "deferred", as vLLM counts it (not waiting for
+    a slot: kvroute learns no batch limit from it)."""
     with start_pd_fleet(0, 1, COMMON, decode_args=["--link-mb-s", "20"]) as slow:
-        text = prompt("h")
-        n_blocks = -(-n_tokens(slow.decode_urls[0], text) // BS)
-        r = decode_leg(slow.decode_urls[0], text, prefill_leg(fleet.prefill_urls[0], text))
+        url = slow.decode_urls[0]
+        text = prompt("h", 1000)
+        n_blocks = -(-n_tokens(url, text) // BS)
+        params = prefill_leg(fleet.prefill_urls[0], text)
+        with ThreadPoolExecutor(1) as pool:
+            leg = pool.submit(decode_leg, url, text, params)
+            seen = set()
+            while not leg.done():
+                seen.add(_waiting(url))
+            r = leg.result()
         assert r.status_code == 200
-        moved = snap(slow.decode_urls[0])
+        assert (1.0, 1.0) in seen, seen
+        assert _waiting(url) == (0.0, 0.0)
+        moved = snap(url)
         assert moved.bytes_transferred == n_blocks * BS * KV_BYTES
         assert moved.xfer_seconds >= moved.bytes_transferred / 20e6
 

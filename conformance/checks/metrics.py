@@ -1,7 +1,8 @@
 """Check: the engine's /metrics page reads the same through kvroute's fast path (only the
 lines the router uses, `engines.vllm.metrics_text`) as through prometheus_client's full
-parser, after traffic so the counters and gauges are not all zero; and the fast path takes
-the real page without falling back. Notes the page size and both parse times."""
+parser, after traffic so the counters and gauges are not all zero; that the fast path takes
+the real page without falling back; and that the page splits its queue by reason (vLLM
+0.32's "deferred" part of the waiting). Notes the page size and both parse times."""
 
 from __future__ import annotations
 
@@ -59,6 +60,13 @@ async def metrics(ctx: Context, f: Findings) -> None:
     f.note("read", _summary(fast))
     if repr(fast) != repr(full):
         f.problems.append(f"fast path {_summary(fast)} != full parser {_summary(full)}")
+    if fast.deferred is None:
+        # without it a LoRA or prefill->decode worker learns no batch limit (worker_checks)
+        f.problems.append(
+            'no vllm:num_requests_waiting_by_reason{reason="deferred"} sample: kvroute cannot '
+            "tell the requests the engine holds for a LoRA slot or KV in transfer from those "
+            "waiting for a batch slot"
+        )
     if not fast.prefix_queries:
         f.problems.append("prefix_cache_queries_total is 0 after traffic: nothing was compared")
     f.note(
@@ -74,6 +82,7 @@ def _summary(m: EngineMetrics) -> dict[str, object]:
     return {
         "running": m.running,
         "waiting": m.waiting,
+        "deferred": m.deferred,
         "kv_usage": m.kv_usage,
         "block_size": m.block_size,
         "num_gpu_blocks": m.num_gpu_blocks,

@@ -94,6 +94,11 @@ class EngineStats:
     prefix_hits: int
     preemptions: int
     steps: int
+    # of `waiting`, those held for something other than a batch slot: here the requests
+    # whose prompt KV a pull from a prefill worker brings. vLLM counts them as waiting, and
+    # as "deferred" in num_requests_waiting_by_reason from the pull's start until they are
+    # scheduled (its `deferred_waiting`), so after the pull too
+    deferred: int = 0
 
 
 class RequestHandle:
@@ -256,12 +261,13 @@ class Engine:
         s = self.scheduler
         return EngineStats(
             running=len(s.running),
-            waiting=len(s.waiting),
+            waiting=len(s.waiting) + len(s.loading),
             kv_usage=s.kv.pool.usage(),
             prefix_queries=s.stats.queries,
             prefix_hits=s.stats.hits,
             preemptions=s.stats.preemptions,
             steps=self.steps,
+            deferred=len(s.loading) + sum(1 for r in s.waiting if r.blocks),
         )
 
     # ---- the step loop -------------------------------------------------------------------

@@ -47,6 +47,16 @@ class SimMetrics:
             LABELS,
             registry=r,
         ).labels(*lv)
+        by_reason = Gauge(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for "
+            "scheduling capacity; 'deferred' = deferred by transient constraints (LoRA budget, "
+            "KV transfer, blocked status). Sum of all reasons equals vllm:num_requests_waiting.",
+            (*LABELS, "reason"),
+            registry=r,
+        )
+        self.waiting_capacity = by_reason.labels(*lv, "capacity")
+        self.waiting_deferred = by_reason.labels(*lv, "deferred")
         self.kv_usage = Gauge(
             "vllm:kv_cache_usage_perc",
             "KV-cache usage. 1 means 100 percent usage.",
@@ -133,6 +143,8 @@ class SimMetrics:
     def render(self, stats: EngineStats) -> bytes:
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
+        self.waiting_capacity.set(stats.waiting - stats.deferred)
+        self.waiting_deferred.set(stats.deferred)
         self.kv_usage.set(stats.kv_usage)
         last = self._last
         self.queries.inc(stats.prefix_queries - last.prefix_queries)

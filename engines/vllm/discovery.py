@@ -104,17 +104,22 @@ def _metrics(samples: Iterable[Sample]) -> EngineMetrics:
     for name, labels, value in samples:
         if name == _INFO:
             info = labels
-        else:
-            values[name] = values.get(name, 0.0) + value
-            rank = _int(labels.get("engine"))
-            if rank is not None:
-                mine = ranks.setdefault(rank, {})
-                mine[name] = mine.get(name, 0.0) + value
+            continue
+        if name == _BY_REASON:
+            if labels.get("reason") != "deferred":
+                continue  # "capacity": the rest of vllm:num_requests_waiting
+            name = _DEFERRED
+        values[name] = values.get(name, 0.0) + value
+        rank = _int(labels.get("engine"))
+        if rank is not None:
+            mine = ranks.setdefault(rank, {})
+            mine[name] = mine.get(name, 0.0) + value
     by_rank = {
         r: RankLoad(
             v.get("vllm:num_requests_running", 0.0),
             v.get("vllm:num_requests_waiting", 0.0),
             v.get("vllm:kv_cache_usage_perc"),
+            v.get(_DEFERRED),
         )
         for r, v in ranks.items()
     }
@@ -123,6 +128,7 @@ def _metrics(samples: Iterable[Sample]) -> EngineMetrics:
         running=values.get("vllm:num_requests_running", 0.0),
         waiting=values.get("vllm:num_requests_waiting", 0.0),
         kv_usage=usage / len(by_rank) if usage is not None and len(by_rank) > 1 else usage,
+        deferred=values.get(_DEFERRED),
         block_size=_int(info.get("block_size")),
         num_gpu_blocks=_int(info.get("num_gpu_blocks")),
         prefix_caching=_bool(info.get("enable_prefix_caching")),
@@ -141,7 +147,9 @@ _WANTED = {
     "vllm:prefix_cache_hits_total",
 }
 _INFO = "vllm:cache_config_info"
-READ_METRICS = frozenset(_WANTED | {_INFO})  # every sample name the router reads
+_BY_REASON = "vllm:num_requests_waiting_by_reason"  # vLLM >= 0.32
+_DEFERRED = "deferred"  # the key its "deferred" samples are summed under
+READ_METRICS = frozenset(_WANTED | {_INFO, _BY_REASON})  # every sample name the router reads
 
 
 def _int(raw: str | None) -> int | None:

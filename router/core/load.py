@@ -148,18 +148,22 @@ class _Batch:
         kv_usage: float | None,
         known: PeerLoad,
         learn: bool = True,
+        deferred: float | None = None,
     ) -> str | None:
         """Take one scrape; "learned" or "dropped" when it changed the limit. `learn`:
-        False where the engine also queues for another reason no scrape tells apart (a
-        worker serving LoRA adapters holds requests for an adapter not loaded yet)."""
+        False where the engine also queues for another reason that the scrape does not
+        tell apart (a worker serving LoRA adapters holds requests for an adapter not loaded
+        yet). `deferred`: of `waiting`, those the engine says it holds for such a reason
+        (`EngineMetrics.deferred`)."""
         self.most = max(self.most, running)
         if self.limit is not None and running > self.limit:
             self.limit = None
             return "dropped"
+        for_slots = waiting - (deferred or 0.0) - known.riders
         full = (
             learn
             and self.limit is None
-            and waiting - known.riders >= LEARN_MIN_WAITING
+            and for_slots >= LEARN_MIN_WAITING
             and running >= max(1.0, self.most)  # the most it ever ran, this scrape's included
             and (kv_usage is None or kv_usage < LEARN_KV_ROOM)
             and known.prefill_tokens < LEARN_MAX_PREFILL_TOKENS
@@ -295,7 +299,10 @@ class LoadTracker:
         kv_usage: float | None,
         capacity_blocks: int | None,
         learn_batch: bool = True,
+        deferred: float | None = None,
     ) -> None:
+        """Take one scrape of `worker`'s engine (`_Batch.scraped` for `learn_batch` and
+        `deferred`)."""
         known = self.known(worker)
         engine_requests = running + waiting
         others = max(0.0, engine_requests - known.requests)
@@ -304,7 +311,9 @@ class LoadTracker:
         self._scraped[worker] = _Scraped(others, engine_blocks * share, kv_usage)
         batch = self._batch.setdefault(worker, _Batch())
         self._most_running = max(self._most_running, running)
-        change = batch.scraped(self.clock.now(), running, waiting, kv_usage, known, learn_batch)
+        change = batch.scraped(
+            self.clock.now(), running, waiting, kv_usage, known, learn_batch, deferred
+        )
         if change == "learned":
             log.info(
                 "worker %s queues requests at %d running with KV room and little prefill "
