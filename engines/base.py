@@ -38,10 +38,11 @@ class EngineMetrics:
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float | None = None
-    # of `waiting`, those the engine holds for something other than room in its batch (vLLM
+    # of `waiting`, those the engine held for something other than room in its batch (vLLM
     # 0.32's `num_requests_waiting_by_reason{reason="deferred"}`: an adapter with no LoRA
-    # slot, KV still arriving from a prefill worker, a grammar compiling); None where the
-    # engine does not split its queue
+    # slot, KV arriving from a prefill worker, a grammar compiling). vLLM counts such a
+    # request until it is scheduled, so also once it waits for a slot like the rest. None
+    # where the engine does not split its queue
     deferred: float | None = None
     block_size: int | None = None
     num_gpu_blocks: int | None = None

@@ -164,18 +164,21 @@ class WorkerChecks:
                 continue
             # engines also queue requests while their batch has room: one serving LoRA
             # adapters, for an adapter it has no slot for (vLLM's --max-loras); a handoff's
-            # decode worker, for KV still on its way (WAITING_FOR_REMOTE_KVS). An engine that
-            # counts those apart (vLLM >= 0.32: "deferred") still teaches; one that does not
-            # teaches nothing there
-            learn = src.deferred is not None or (not f.state.adapters and f.state.role == "both")
+            # decode worker, for KV still on its way (WAITING_FOR_REMOTE_KVS). Where the
+            # engine counts those apart (vLLM >= 0.32: "deferred"), the rest still teaches;
+            # else such a worker teaches nothing. A plain worker's queue teaches whole: vLLM
+            # keeps a request "deferred" until it is scheduled, so a full batch's queue of
+            # JSON or tool requests (each deferred on arrival for its grammar) is all
+            # "deferred" and would teach nothing
+            plain = not f.state.adapters and f.state.role == "both"
             load.scraped(
                 f.state.name,
                 src.running,
                 src.waiting,
                 src.kv_usage,
                 m.num_gpu_blocks,
-                learn,
-                src.deferred,
+                plain or src.deferred is not None,
+                None if plain else src.deferred,
             )
 
     # ---- what the worker serves ------------------------------------------------------

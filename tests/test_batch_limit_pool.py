@@ -192,3 +192,14 @@ async def test_a_lora_worker_learns_its_limit_where_its_engine_counts_deferred_a
         await learn(pool, clock)
         assert pool.fleet.load.batch_limit(BIG) == learned, deferred
         await pool.client.aclose()
+
+
+async def test_a_plain_worker_learns_from_a_queue_vllm_counts_as_deferred() -> None:
+    # vLLM keeps every request with a JSON schema or a required tool "deferred" (for its
+    # grammar) until it is scheduled: behind a full batch they wait for a slot all the same
+    pool, fleet, clock = await pool_of(BIG)
+    e = fleet.engines[BIG]
+    e.running, e.waiting, e.deferred = 4, 6, 6
+    await learn(pool, clock)
+    assert pool.fleet.load.batch_limit(BIG) == 4
+    await pool.client.aclose()

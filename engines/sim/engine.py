@@ -259,15 +259,18 @@ class Engine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler
+        # a request aborted during its pull stays in `loading` until the pull ends; vLLM
+        # drops it from its queues at once
+        loading = sum(1 for r in s.loading if not r.finished)
         return EngineStats(
             running=len(s.running),
-            waiting=len(s.waiting) + len(s.loading),
+            waiting=len(s.waiting) + loading,
             kv_usage=s.kv.pool.usage(),
             prefix_queries=s.stats.queries,
             prefix_hits=s.stats.hits,
             preemptions=s.stats.preemptions,
             steps=self.steps,
-            deferred=len(s.loading) + sum(1 for r in s.waiting if r.blocks),
+            deferred=loading + sum(1 for r in s.waiting if r.blocks),
         )
 
     # ---- the step loop -------------------------------------------------------------------
