@@ -37,6 +37,7 @@ class WorkerChecks:
     def __init__(self, pool: WorkerPool) -> None:
         self.pool = pool
         self._last_error_log: dict[str, float] = {}
+        self._told_learns_nothing: set[str] = set()  # workers logged as learning no limit
         self.health_rounds = 0  # completed health-check rounds (tests wait on it)
         self._crowded_at: dict[str, float] = {}  # worker -> when it was last scraped for it
         self._crowded_tasks: set[asyncio.Task[None]] = set()
@@ -171,6 +172,8 @@ class WorkerChecks:
             # JSON or tool requests (each deferred on arrival for its grammar) is all
             # "deferred" and would teach nothing
             plain = not f.state.adapters and f.state.role == "both"
+            if not plain and src.deferred is None:
+                self._learns_nothing(f.state.name, f.state.role)
             load.scraped(
                 f.state.name,
                 src.running,
@@ -180,6 +183,20 @@ class WorkerChecks:
                 plain or src.deferred is not None,
                 None if plain else src.deferred,
             )
+
+    def _learns_nothing(self, worker: str, role: str) -> None:
+        """Say once per worker why its batch limit is never learned, and what to set."""
+        if not self.pool.config.busy_learn_batch or worker in self._told_learns_nothing:
+            return
+        self._told_learns_nothing.add(worker)
+        why = "serves LoRA adapters" if role == "both" else f"is a {role} worker of a handoff"
+        log.info(
+            "worker %s %s and its engine does not count the requests it holds for another "
+            "reason apart (vLLM >= 0.32 does: vllm:num_requests_waiting_by_reason): kvroute "
+            "learns no batch limit there; set --busy-max-requests to its --max-num-seqs",
+            worker,
+            why,
+        )
 
     # ---- what the worker serves ------------------------------------------------------
 

@@ -4,6 +4,7 @@ vLLM-shaped /metrics (httpx's MockTransport): restarts, removals, shutdown, scra
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,4 +203,17 @@ async def test_a_plain_worker_learns_from_a_queue_vllm_counts_as_deferred() -> N
     e.running, e.waiting, e.deferred = 4, 6, 6
     await learn(pool, clock)
     assert pool.fleet.load.batch_limit(BIG) == 4
+    await pool.client.aclose()
+
+
+async def test_a_lora_worker_that_cannot_learn_says_so_once(caplog: Any) -> None:
+    pool, fleet, clock = await pool_of(BIG, engine=Engine(adapter=True))
+    e = fleet.engines[BIG]
+    e.running, e.waiting = 4, 4  # vLLM before 0.32: no split of the queue
+    with caplog.at_level(logging.INFO, logger="kvroute.workers"):
+        await learn(pool, clock)
+        await pool.checks.scrape()
+    told = [r.getMessage() for r in caplog.records if "learns no batch limit" in r.getMessage()]
+    assert len(told) == 1 and BIG in told[0] and "--busy-max-requests" in told[0], told
+    assert pool.fleet.load.batch_limit(BIG) is None
     await pool.client.aclose()
