@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 
+from engines.vllm.lax import NotAnInt, lax_int
 from router.core.errors import BadRequest
 
 _decoder = msgspec.json.Decoder()
@@ -148,23 +149,35 @@ def _object(body: bytes) -> dict[str, Any]:
     return doc
 
 
-def _n(doc: dict[str, Any]) -> int:
-    value = doc.get("n", 1)
+def _int(doc: dict[str, Any], key: str, least: int, what: str) -> int | None:
+    """An integer field as vLLM reads it (`lax_int`: "16" and 16.0 are 16); None if unset."""
+    value = doc.get(key)
     if value is None:
-        return 1
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise BadRequest("'n' must be a positive integer", param="n")
-    return value
+        return None
+    try:
+        number = lax_int(value)
+    except NotAnInt:
+        number = least - 1
+    if number < least:
+        raise BadRequest(f"'{key}' must be {what}", param=key)
+    return number
+
+
+def _n(doc: dict[str, Any]) -> int:
+    n = _int(doc, "n", 1, "a positive integer")
+    return 1 if n is None else n
 
 
 def _max_tokens(doc: dict[str, Any]) -> int:
     for key in ("max_completion_tokens", "max_tokens"):
-        value = doc.get(key)
+        value = _count(doc, key)
         if value is not None:
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise BadRequest(f"'{key}' must be a non-negative integer", param=key)
             return value
     return 16
+
+
+def _count(doc: dict[str, Any], key: str) -> int | None:
+    return _int(doc, key, 0, "a non-negative integer")
 
 
 def _flag(doc: dict[str, Any], key: str, default: bool) -> bool:
@@ -181,14 +194,7 @@ def _flag(doc: dict[str, Any], key: str, default: bool) -> bool:
 
 
 def _truncate(doc: dict[str, Any]) -> int | None:
-    value = doc.get("truncate_prompt_tokens")
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < -1:
-        raise BadRequest(
-            "'truncate_prompt_tokens' must be an integer >= -1", param="truncate_prompt_tokens"
-        )
-    return value
+    return _int(doc, "truncate_prompt_tokens", -1, "an integer >= -1")
 
 
 def _side(doc: dict[str, Any]) -> str | None:
@@ -205,9 +211,9 @@ def _output_reserved(kind: str, doc: dict[str, Any]) -> bool:
     `truncate_prompt_tokens`: a completion's max_tokens (default 16), a chat's
     max_completion_tokens or else max_tokens (default none)."""
     if kind == "chat":
-        value = doc.get("max_completion_tokens")
-        return bool(value if value is not None else doc.get("max_tokens"))
-    value = doc.get("max_tokens")
+        value = _count(doc, "max_completion_tokens")
+        return bool(value if value is not None else _count(doc, "max_tokens"))
+    value = _count(doc, "max_tokens")
     return bool(16 if value is None else value)  # null is 16 too (normalize_null_max_tokens)
 
 

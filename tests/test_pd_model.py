@@ -112,6 +112,8 @@ def test_response_params_reads_params_and_cached_tokens() -> None:
     [
         ({"prompt": "x"}, None),
         ({"prompt": "x", "n": 2}, "several sequences"),
+        ({"prompt": "x", "n": "2"}, "several sequences"),  # vLLM reads "2" as 2
+        ({"prompt": "x", "n": "1"}, None),
         ({"prompt": "x", "best_of": 3}, "several sequences"),
         ({"prompt": ["a", "b"]}, "a batch of prompts"),
         ({"prompt": [1, 2, 3]}, None),
@@ -119,7 +121,10 @@ def test_response_params_reads_params_and_cached_tokens() -> None:
         ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
         ({"prompt": "x", "use_beam_search": True}, "beam search"),
     ],
-    ids=["plain", "n", "best-of", "batch", "token-ids", "echo", "prompt-logprobs", "beam"],
+    ids=[
+        *("plain", "n", "n-text", "n-text-1", "best-of", "batch", "token-ids", "echo"),
+        *("prompt-logprobs", "beam"),
+    ],
 )
 def test_not_splittable(doc: dict[str, Any], why: str | None) -> None:
     found = not_splittable(doc)

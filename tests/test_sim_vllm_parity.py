@@ -64,6 +64,21 @@ async def test_n_choices_are_separate_samples_with_usage_summed(client: httpx.As
     assert one["choices"][0]["text"] == doc["choices"][0]["text"]  # sample 0 is the n=1 one
 
 
+async def test_integers_are_read_as_vllms_pydantic_models_read_them(
+    client: httpx.AsyncClient,
+) -> None:
+    # lax mode: "3", " 3 ", 3.0 and "1_0" are integers to vLLM (engines/vllm/lax.py)
+    body = {"prompt": ids(40), "max_tokens": "3", "ignore_eos": True, "n": 2.0}
+    r = await client.post("/v1/completions", json=body | {"truncate_prompt_tokens": "1_0"})
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert len(doc["choices"]) == 2 and doc["usage"]["completion_tokens"] == 6
+    assert doc["usage"]["prompt_tokens"] == 10
+    r = await client.post("/v1/completions", json=body | {"max_tokens": "3.5"})
+    assert r.status_code == 400
+    assert "int_parsing" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize(
     ("body", "expect"),
     [

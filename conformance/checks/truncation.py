@@ -51,6 +51,11 @@ CASES: list[tuple[str, str, dict[str, Any], int | None]] = [
     ("chat-default-side", "chat", {"messages": CHAT, "truncate_prompt_tokens": 180}, 180),
     ("chat-right", "chat", {"messages": CHAT, "truncate_prompt_tokens": 180, "truncation_side": "right"}, 180),  # noqa: E501
     ("chat-specials", "chat", {"messages": CHAT, "truncate_prompt_tokens": 180, "add_special_tokens": True}, 180),  # noqa: E501
+    # vLLM's request models read integers as pydantic's lax mode does
+    ("text-kept-as-text", "completion", {"prompt": DOC, "truncate_prompt_tokens": "200"}, 200),
+    ("text-kept-as-float", "completion", {"prompt": DOC, "truncate_prompt_tokens": 200.0}, 200),
+    ("text-minus-1-as-text", "completion", {"prompt": LONG, "truncate_prompt_tokens": "-1", "max_tokens": "1"}, CUT_BY_MINUS_1),  # noqa: E501
+    ("chat-kept-as-text", "chat", {"messages": CHAT, "truncate_prompt_tokens": " 180 "}, 180),
     ("chat-minus-1", "chat", {"messages": [{"role": "user", "content": LONG}], "truncate_prompt_tokens": -1}, CUT_BY_MINUS_1),  # noqa: E501
 ]  # fmt: skip
 
@@ -78,8 +83,9 @@ def _filled(value: Any, long: str) -> Any:
 @check(
     "truncation",
     "with truncate_prompt_tokens (default side, left, right, -1, 1; text, token ids, a "
-    "batch, chat; with and without special tokens), the engine runs the prompt cut as "
-    "asked and kvroute's decision hashes the blocks of that prompt (its prompt_token_ids)",
+    "batch, chat; with and without special tokens; given as text or a float), the engine "
+    "runs the prompt cut as asked and kvroute's decision hashes the blocks of that prompt "
+    "(its prompt_token_ids)",
     needs=(ENGINE,),
     engines=("main",),
 )

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.sim.errors import bad_request, invalid, schema_error
+from engines.vllm.lax import NotAnInt, lax_int
 
 MISSING = object()
 MAX_N = 16384  # VLLM_MAX_N_SEQUENCES
@@ -34,7 +35,12 @@ def get(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], defau
         if default is MISSING:
             raise schema_error((name,), "missing", "Field required", body)
         return default
-    if (kind is int and isinstance(value, bool)) or not isinstance(value, kind):
+    if kind is int:  # pydantic's lax mode, as vLLM's request models: "16" and 16.0 are 16
+        try:
+            return lax_int(value)
+        except NotAnInt as exc:
+            raise schema_error((name,), exc.code, str(exc), value) from None
+    if not isinstance(value, kind):
         kinds = kind if isinstance(kind, tuple) else (kind,)
         code, noun = _PYDANTIC_TYPES.get(kinds[0], (kinds[0].__name__, kinds[0].__name__))
         raise schema_error((name,), f"{code}_type", f"Input should be a valid {noun}", value)

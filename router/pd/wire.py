@@ -15,6 +15,8 @@ from typing import Any, TypeGuard
 
 import msgspec
 
+from engines.vllm.lax import NotAnInt, lax_int
+
 _decoder = msgspec.json.Decoder()
 _encode = msgspec.json.encode
 
@@ -125,4 +127,11 @@ def _is_int(value: Any) -> TypeGuard[int]:
 
 
 def _int(value: Any, default: int) -> int:
-    return value if _is_int(value) else default
+    """A request's integer field as the engine reads it ("2" is 2); `default` if unset or
+    no integer (the door answered those already)."""
+    if value is None:
+        return default
+    try:
+        return lax_int(value)
+    except NotAnInt:
+        return default

@@ -1,0 +1,59 @@
+"""Integer request fields as vLLM's request models read them.
+
+vLLM validates a request with pydantic in its default (lax) mode, so an integer field
+(`max_tokens`, `n`, `truncate_prompt_tokens`, ...) also takes `"16"`, `" 16 "`, `"1_6"`,
+`"16.0"`, `16.0` and `true`, and refuses `16.5`, `"16.5"`, `"1e2"` and `"0x10"`. A router
+that takes only JSON integers refuses requests the engine serves; one that reads `"0"` as
+truthy counts output the engine does not. Checked against vLLM 0.32's `CompletionRequest`
+and `ChatCompletionRequest` (`tests/test_lax_int.py` holds this to pydantic itself).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+# optional sign, ASCII digits with single underscores between them, and a zero fraction
+_INT_TEXT = re.compile(r"[+-]?[0-9]+(?:_[0-9]+)*(?:\.0+)?")
+_I64 = 2**63  # a float beyond a 64-bit integer is refused, as pydantic-core does
+# Unicode White_Space, which pydantic-core trims (Rust's `str::trim`): Python's own strip()
+# also trims \x1c-\x1f, which pydantic refuses
+_SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B)))
+_SPACE += "\u2028\u2029\u202f\u205f\u3000"
+
+
+class NotAnInt(ValueError):
+    """The value is no integer to vLLM; `code` is pydantic's error type."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def lax_int(value: object) -> int:
+    """`value` as vLLM reads an integer field; raises NotAnInt as it would refuse it."""
+    if isinstance(value, int):  # bool included: true is 1
+        return int(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise NotAnInt("finite_number", "Input should be a finite number")
+        if not value.is_integer():
+            raise NotAnInt(
+                "int_from_float",
+                "Input should be a valid integer, got a number with a fractional part",
+            )
+        if not -_I64 < value < _I64:
+            raise NotAnInt(
+                "int_parsing_size",
+                "Unable to parse input string as an integer, exceeded maximum size",
+            )
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip(_SPACE)
+        if _INT_TEXT.fullmatch(text) is None:
+            raise NotAnInt(
+                "int_parsing",
+                "Input should be a valid integer, unable to parse string as an integer",
+            )
+        return int(text.split(".", 1)[0])
+    raise NotAnInt("int_type", "Input should be a valid integer")

@@ -1,0 +1,80 @@
+"""kvroute reads integer request fields as vLLM's pydantic models do (lax mode): held to
+pydantic itself on random values, and through the parser every door uses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import TypeAdapter, ValidationError
+
+from engines.vllm.lax import NotAnInt, lax_int
+from router.core.errors import BadRequest
+from router.openai_req import parse
+
+PYDANTIC_INT = TypeAdapter(int)
+
+NUMBERISH = st.text(alphabet="0123456789_.+-eE x\t\n\x1c\x85\u00a0\u2003\u0663", max_size=12)
+VALUES = st.one_of(
+    st.integers(),
+    st.booleans(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.floats(min_value=-1e20, max_value=1e20).map(round).map(float),
+    NUMBERISH,
+    st.integers(-(10**6), 10**6).map(str),
+    st.integers(0, 10**6).map(lambda i: f" {i}.{'0' * (i % 3 + 1)} "),
+    st.sampled_from([-(2.0**63), 2.0**63, float(2**63 - 1024), -float(2**63 - 1024)]),
+    st.none(),
+    st.lists(st.integers(), max_size=2),
+)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(VALUES)
+def test_lax_int_takes_and_refuses_what_pydantic_does(value: object) -> None:
+    try:
+        want: int | None = PYDANTIC_INT.validate_python(value)
+        code = None
+    except ValidationError as exc:
+        want, code = None, exc.errors()[0]["type"]
+    try:
+        got: int | None = lax_int(value)
+        got_code = None
+    except NotAnInt as exc:
+        got, got_code = None, exc.code
+    assert (got, got_code) == (want, code), repr(value)
+
+
+@pytest.mark.parametrize(
+    ("value", "want"),
+    [("16", 16), (" 16 ", 16), ("1_6", 16), ("16.0", 16), (16.0, 16), (True, 1), ("+5", 5)],
+)
+def test_the_parser_takes_numbers_vllm_takes(value: object, want: int) -> None:
+    for field, read in (
+        ("max_tokens", lambda r: r.max_tokens),
+        ("n", lambda r: r.n),
+        ("truncate_prompt_tokens", lambda r: r.truncate_prompt_tokens),
+    ):
+        body = {"model": "m", "prompt": "hi", field: value}
+        assert read(parse("completion", json.dumps(body).encode())) == want, field
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    body = chat | {"max_completion_tokens": value}
+    assert parse("chat", json.dumps(body).encode()).max_tokens == want
+
+
+@pytest.mark.parametrize("value", ["16.5", 16.5, "1e2", "0x10", "", [1], {"a": 1}])
+def test_the_parser_refuses_what_vllm_refuses_naming_the_field(value: object) -> None:
+    for field in ("max_tokens", "n", "truncate_prompt_tokens"):
+        body = {"model": "m", "prompt": "hi", field: value}
+        with pytest.raises(BadRequest) as caught:
+            parse("completion", json.dumps(body).encode())
+        assert caught.value.param == field and field in str(caught.value)
+
+
+def test_a_zero_max_tokens_as_text_reserves_no_output() -> None:
+    # "0" is 0 to vLLM: a -1 truncation then keeps the whole context for the prompt
+    body = {"model": "m", "prompt": "hi", "max_tokens": "0", "truncate_prompt_tokens": "-1"}
+    r = parse("completion", json.dumps(body).encode())
+    assert r.max_tokens == 0 and r.output_reserved is False and r.truncate_prompt_tokens == -1
