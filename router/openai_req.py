@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from engines.vllm.lax import NotAnInt, lax_int
+from engines.vllm.lax import NotABool, NotAnInt, lax_bool, lax_int
 from router.core.errors import BadRequest
 
 _decoder = msgspec.json.Decoder()
@@ -21,8 +21,6 @@ PROMPT_PATHS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 
 TOKEN_ID_END = 2**32  # token ids are hashed as uint32, as vLLM's events carry them
 # what pydantic (vLLM's request models) reads as a boolean besides true and false
-_TRUE = {1, "1", "true", "t", "yes", "y", "on"}
-_FALSE = {0, "0", "false", "f", "no", "n", "off"}
 
 
 @dataclass(slots=True)  # built per request: a frozen init costs ~3x
@@ -98,7 +96,8 @@ def parse(kind: str, body: bytes) -> RoutingInput:
     common: dict[str, Any] = {
         "model": model,
         "cache_salt": salt or None,
-        "stream": bool(doc.get("stream", False)),
+        # `stream: null` is vLLM's default, false; "false" is false too
+        "stream": doc.get("stream") is not None and _flag(doc, "stream", False),
         "max_tokens": _max_tokens(doc),
         "n": _n(doc),
         "add_special_tokens": _flag(doc, "add_special_tokens", kind != "chat"),
@@ -181,16 +180,11 @@ def _count(doc: dict[str, Any], key: str) -> int | None:
 
 
 def _flag(doc: dict[str, Any], key: str, default: bool) -> bool:
-    value = doc.get(key, default)
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        value = value.lower()
-    if isinstance(value, (int, str)) and value in _TRUE:
-        return True
-    if isinstance(value, (int, str)) and value in _FALSE:
-        return False
-    raise BadRequest(f"'{key}' must be a boolean", param=key)
+    """A boolean field as vLLM reads it (`lax_bool`: "false" and 0 are false)."""
+    try:
+        return lax_bool(doc.get(key, default))
+    except NotABool:
+        raise BadRequest(f"'{key}' must be a boolean", param=key) from None
 
 
 def _truncate(doc: dict[str, Any]) -> int | None:

@@ -10,11 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import TypeAdapter, ValidationError
 
-from engines.vllm.lax import NotAnInt, lax_int
+from engines.vllm.lax import NotABool, NotAnInt, lax_bool, lax_int
 from router.core.errors import BadRequest
 from router.openai_req import parse
 
 PYDANTIC_INT = TypeAdapter(int)
+PYDANTIC_BOOL = TypeAdapter(bool)
 
 NUMBERISH = st.text(alphabet="0123456789_.+-eE x\t\n\x1c\x85\u00a0\u2003\u0663", max_size=12)
 VALUES = st.one_of(
@@ -45,6 +46,53 @@ def test_lax_int_takes_and_refuses_what_pydantic_does(value: object) -> None:
     except NotAnInt as exc:
         got, got_code = None, exc.code
     assert (got, got_code) == (want, code), repr(value)
+
+
+BOOLISH = st.one_of(
+    st.sampled_from(["true", "FALSE", "On", "off", "y", "N", "t", "f", "1", "0", "yes", "No"]),
+    st.text(alphabet="tTrRuUeEfFaAlLsSyYnNoO01 ", max_size=6),
+    st.integers(-2, 2),
+    st.integers(),
+    st.floats(-2, 2),
+    st.floats(),
+    st.sampled_from([2.0**63, -(2.0**63), 2**63, -(2**63), 1e300]),
+    st.sampled_from([0.0, 1.0, -0.0, float("nan")]),
+    st.none(),
+    st.lists(st.booleans(), max_size=1),
+)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(BOOLISH)
+def test_lax_bool_takes_and_refuses_what_pydantic_does(value: object) -> None:
+    try:
+        want: bool | None = PYDANTIC_BOOL.validate_python(value)
+        code = msg = None
+    except ValidationError as exc:
+        want, code, msg = None, exc.errors()[0]["type"], exc.errors()[0]["msg"]
+    try:
+        got: bool | None = lax_bool(value)
+        got_code = got_msg = None
+    except NotABool as exc:
+        got, got_code, got_msg = None, exc.code, str(exc)
+    assert (got, got_code, got_msg) == (want, code, msg), repr(value)
+
+
+@pytest.mark.parametrize(
+    ("value", "stream"),
+    [("false", False), ("0", False), (None, False), (0.0, False), ("yes", True), (1, True)],
+)
+def test_stream_is_read_as_vllm_reads_it(value: object, stream: bool) -> None:
+    # "false" read as truthy relayed a JSON answer as a stream
+    body = {"model": "m", "prompt": "hi", "stream": value}
+    assert parse("completion", json.dumps(body).encode()).stream is stream
+
+
+def test_a_stream_flag_vllm_refuses_is_a_400() -> None:
+    body = {"model": "m", "prompt": "hi", "stream": "maybe"}
+    with pytest.raises(BadRequest) as caught:
+        parse("completion", json.dumps(body).encode())
+    assert caught.value.param == "stream"
 
 
 @pytest.mark.parametrize(

@@ -118,11 +118,13 @@ def test_response_params_reads_params_and_cached_tokens() -> None:
         ({"prompt": ["a", "b"]}, "a batch of prompts"),
         ({"prompt": [1, 2, 3]}, None),
         ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "echo": "false"}, None),  # vLLM reads "false" as false
         ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
         ({"prompt": "x", "use_beam_search": True}, "beam search"),
     ],
     ids=[
         *("plain", "n", "n-text", "n-text-1", "best-of", "batch", "token-ids", "echo"),
+        "echo-text-false",
         *("prompt-logprobs", "beam"),
     ],
 )

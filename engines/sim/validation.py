@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engines.sim.errors import bad_request, invalid, schema_error
-from engines.vllm.lax import NotAnInt, lax_int
+from engines.vllm.lax import NotABool, NotAnInt, lax_bool, lax_int
 
 MISSING = object()
 MAX_N = 16384  # VLLM_MAX_N_SEQUENCES
@@ -35,10 +35,10 @@ def get(body: Mapping[str, Any], name: str, kind: type | tuple[type, ...], defau
         if default is MISSING:
             raise schema_error((name,), "missing", "Field required", body)
         return default
-    if kind is int:  # pydantic's lax mode, as vLLM's request models: "16" and 16.0 are 16
-        try:
-            return lax_int(value)
-        except NotAnInt as exc:
+    if kind is int or kind is bool:  # pydantic's lax mode, as vLLM's request models read
+        try:  # "16" and 16.0 are 16; "false", "off" and 0 are false
+            return lax_int(value) if kind is int else lax_bool(value)
+        except (NotAnInt, NotABool) as exc:
             raise schema_error((name,), exc.code, str(exc), value) from None
     if not isinstance(value, kind):
         kinds = kind if isinstance(kind, tuple) else (kind,)

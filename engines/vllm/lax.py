@@ -1,11 +1,13 @@
-"""Integer request fields as vLLM's request models read them.
+"""Integer and boolean request fields as vLLM's request models read them.
 
 vLLM validates a request with pydantic in its default (lax) mode, so an integer field
 (`max_tokens`, `n`, `truncate_prompt_tokens`, ...) also takes `"16"`, `" 16 "`, `"1_6"`,
-`"16.0"`, `16.0` and `true`, and refuses `16.5`, `"16.5"`, `"1e2"` and `"0x10"`. A router
-that takes only JSON integers refuses requests the engine serves; one that reads `"0"` as
-truthy counts output the engine does not. Checked against vLLM 0.32's `CompletionRequest`
-and `ChatCompletionRequest` (`tests/test_lax_int.py` holds this to pydantic itself).
+`"16.0"`, `16.0` and `true`, and refuses `16.5`, `"16.5"`, `"1e2"` and `"0x10"`; a boolean
+field (`stream`, `add_special_tokens`, ...) takes `"false"`, `"off"`, `0` and `0.0` as
+false. A router that takes only JSON integers refuses requests the engine serves; one that
+reads `"0"` or `"false"` as truthy counts output the engine does not, or relays a JSON
+answer as a stream. Checked against vLLM 0.32's `CompletionRequest` and
+`ChatCompletionRequest` (`tests/test_lax_int.py` holds this to pydantic itself).
 """
 
 from __future__ import annotations
@@ -57,3 +59,38 @@ def lax_int(value: object) -> int:
             )
         return int(text.split(".", 1)[0])
     raise NotAnInt("int_type", "Input should be a valid integer")
+
+
+_TRUE = frozenset({"1", "true", "t", "yes", "y", "on"})
+_FALSE = frozenset({"0", "false", "f", "no", "n", "off"})
+
+
+class NotABool(ValueError):
+    """The value is no boolean to vLLM; `code` is pydantic's error type."""
+
+    def __init__(self, code: str) -> None:
+        tail = ", unable to interpret input" if code == "bool_parsing" else ""
+        super().__init__(f"Input should be a valid boolean{tail}")
+        self.code = code
+
+
+def lax_bool(value: object) -> bool:
+    """`value` as vLLM reads a boolean field; raises NotABool as it would refuse it."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        text = value.lower()
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+        raise NotABool("bool_parsing")
+    # a whole number in 64 bits other than 0 or 1 is "parsing", anything else "type" (a
+    # float's range is open at both ends, as for integers)
+    if isinstance(value, int):
+        in_range = -_I64 <= value < _I64
+    else:
+        in_range = isinstance(value, float) and value.is_integer() and -_I64 < value < _I64
+    raise NotABool("bool_parsing" if in_range else "bool_type")

@@ -15,7 +15,7 @@ from typing import Any, TypeGuard
 
 import msgspec
 
-from engines.vllm.lax import NotAnInt, lax_int
+from engines.vllm.lax import NotABool, NotAnInt, lax_bool, lax_int
 
 _decoder = msgspec.json.Decoder()
 _encode = msgspec.json.encode
@@ -44,12 +44,12 @@ def not_splittable(doc: Mapping[str, Any]) -> str | None:
     one token; whatever needs the prompt's own outputs or several sequences stays local."""
     if _int(doc.get("n"), 1) > 1 or _int(doc.get("best_of"), 1) > 1:
         return "several sequences (n or best_of > 1)"
-    if doc.get("use_beam_search"):
+    if _set(doc.get("use_beam_search")):
         return "beam search"
     prompt = doc.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         return "a batch of prompts"
-    if doc.get("echo"):
+    if _set(doc.get("echo")):
         return "echo returns the prompt's own outputs"
     if doc.get("prompt_logprobs") is not None:
         return "prompt_logprobs are computed by the prefill"
@@ -124,6 +124,14 @@ def response_params(body: bytes) -> tuple[Any, int | None]:
 
 def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _set(value: Any) -> bool:
+    """A request's boolean field as the engine reads it ("false" is false); unset is false."""
+    try:
+        return value is not None and lax_bool(value)
+    except NotABool:
+        return bool(value)  # the engine refuses it: nothing to split
 
 
 def _int(value: Any, default: int) -> int:
