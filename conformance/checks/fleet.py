@@ -1,7 +1,9 @@
 """Check 6: two engines behind `kvroute serve` (child process, local tokenizer = the folder
 the engines load). Repeated prefixes stick to one worker and their time to first token
 drops; model pools hold (the LoRA adapter only `main` serves always lands there, the base
-model on both, an unknown model is a 404 naming the served ones); `router-check` passes.
+model on both, an unknown model is a 404 naming the served ones); fields given as vLLM's
+request models also read them (`max_tokens: "3"`, `stream: "false"`) are served as the
+engine reads them; `router-check` passes.
 Then one worker restarts without --kv-events-config: `router-check` fails naming it, and
 the router's /health turns 503."""
 
@@ -203,6 +205,7 @@ async def fleet(ctx: Context, f: Findings) -> None:
         async with client(router.url) as http:
             _judge_repeats(f, await _send_repeats(http, a.model, tok, ctx.target.ttft_gap_s))
             await _model_pools(http, a, b, tok, f)
+            await _lax_fields(http, a.model, f)
             runs = await asyncio.to_thread(router_check_healthy, router.url, router.admin_token)
             f.note("router_check_healthy", {k: v for k, v in runs[-1].items() if k != "text"})
             f.note(
@@ -218,6 +221,27 @@ async def fleet(ctx: Context, f: Findings) -> None:
     finally:
         await asyncio.to_thread(router.stop)
         atexit.unregister(router.stop)
+
+
+async def _lax_fields(http: httpx.AsyncClient, model: str, f: Findings) -> None:
+    """Fields as vLLM's request models read them (pydantic's lax mode) pass the router and
+    are served as the engine reads them: "false" is no stream, "3" and 2.0 are integers."""
+    body = {"model": model, "prompt": "Lax fields, read as the engine reads them.", "n": 2.0}
+    body |= {"max_tokens": "3", "ignore_eos": "true", "temperature": 0.7, "stream": "false"}
+    r = await http.post("/v1/completions", json=body)
+    kind = r.headers.get("content-type", "")
+    seen: dict[str, Any] = {"status": r.status_code, "content_type": kind}
+    if r.status_code == 200 and kind.startswith("application/json"):
+        doc = r.json()
+        seen |= {"choices": len(doc["choices"]), "output": doc["usage"]["completion_tokens"]}
+    r = await http.post("/v1/completions", json=body | {"stream": "on", "n": "1"})
+    seen["streamed"] = r.status_code == 200 and b"data: [DONE]" in r.content
+    f.note("lax_fields", seen)
+    want = {"status": 200, "choices": 2, "output": 6, "streamed": True}
+    f.require(
+        {k: seen.get(k) for k in want} == want,
+        f'max_tokens "3", n 2.0, stream "false" then "on" through kvroute: {seen}',
+    )
 
 
 async def _model_pools(
