@@ -20,7 +20,6 @@ _decoder = msgspec.json.Decoder()
 PROMPT_PATHS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 
 TOKEN_ID_END = 2**32  # token ids are hashed as uint32, as vLLM's events carry them
-# what pydantic (vLLM's request models) reads as a boolean besides true and false
 
 
 @dataclass(slots=True)  # built per request: a frozen init costs ~3x
@@ -98,7 +97,7 @@ def parse(kind: str, body: bytes) -> RoutingInput:
         "cache_salt": salt or None,
         # `stream: null` is vLLM's default, false; "false" is false too
         "stream": doc.get("stream") is not None and _flag(doc, "stream", False),
-        "max_tokens": _max_tokens(doc),
+        "max_tokens": _max_tokens(doc, kind == "chat"),
         "n": _n(doc),
         "add_special_tokens": _flag(doc, "add_special_tokens", kind != "chat"),
         "truncate_prompt_tokens": _truncate(doc),
@@ -167,8 +166,9 @@ def _n(doc: dict[str, Any]) -> int:
     return 1 if n is None else n
 
 
-def _max_tokens(doc: dict[str, Any]) -> int:
-    for key in ("max_completion_tokens", "max_tokens"):
+def _max_tokens(doc: dict[str, Any], chat: bool) -> int:
+    # a completion request has no max_completion_tokens in vLLM: it ignores one sent
+    for key in ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",):
         value = _count(doc, key)
         if value is not None:
             return value

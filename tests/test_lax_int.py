@@ -32,6 +32,30 @@ VALUES = st.one_of(
 )
 
 
+LONG_DIGITS = st.builds(
+    lambda lead, n, sep, tail: lead + sep.join(["1"] * n) + tail,
+    st.sampled_from(["", "-", "+", " ", "0" * 9, "-" + "0" * 9]),
+    st.integers(4295, 4305),
+    st.sampled_from(["", "_"]),
+    st.sampled_from(["", ".0", " ", ".5"]),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(LONG_DIGITS)
+def test_integer_text_past_4300_digits_is_refused_or_read_as_pydantic_does(text: str) -> None:
+    # Python's int() raises a bare ValueError past 4,300 digits: it was a 500 at the router
+    try:
+        want: int | None = PYDANTIC_INT.validate_python(text)
+    except ValidationError:
+        want = None
+    try:
+        got: int | None = lax_int(text)
+    except NotAnInt:
+        got = None
+    assert got == want, text[:12]
+
+
 @settings(max_examples=2000, deadline=None)
 @given(VALUES)
 def test_lax_int_takes_and_refuses_what_pydantic_does(value: object) -> None:
@@ -126,3 +150,11 @@ def test_a_zero_max_tokens_as_text_reserves_no_output() -> None:
     body = {"model": "m", "prompt": "hi", "max_tokens": "0", "truncate_prompt_tokens": "-1"}
     r = parse("completion", json.dumps(body).encode())
     assert r.max_tokens == 0 and r.output_reserved is False and r.truncate_prompt_tokens == -1
+
+
+def test_a_completion_ignores_max_completion_tokens_as_vllm_does() -> None:
+    # vLLM's CompletionRequest has no such field: it keeps it as an unknown one, unused
+    body = {"model": "m", "prompt": "hi", "max_completion_tokens": 100, "max_tokens": 5}
+    assert parse("completion", json.dumps(body).encode()).max_tokens == 5
+    body = {"model": "m", "prompt": "hi", "max_completion_tokens": "abc"}
+    assert parse("completion", json.dumps(body).encode()).max_tokens == 16

@@ -114,7 +114,7 @@ def test_response_params_reads_params_and_cached_tokens() -> None:
         ({"prompt": "x", "n": 2}, "several sequences"),
         ({"prompt": "x", "n": "2"}, "several sequences"),  # vLLM reads "2" as 2
         ({"prompt": "x", "n": "1"}, None),
-        ({"prompt": "x", "best_of": 3}, "several sequences"),
+        ({"prompt": "x", "best_of": 3}, None),  # vLLM 0.32 ignores it
         ({"prompt": ["a", "b"]}, "a batch of prompts"),
         ({"prompt": [1, 2, 3]}, None),
         ({"prompt": "x", "echo": True}, "echo"),

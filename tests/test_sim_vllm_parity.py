@@ -79,6 +79,22 @@ async def test_integers_are_read_as_vllms_pydantic_models_read_them(
     assert "int_parsing" in r.json()["error"]["message"]
 
 
+async def test_flags_read_as_vllm_reads_them(client: httpx.AsyncClient) -> None:
+    served = [
+        {"prompt": "x", "max_tokens": 2, "echo": "false", "use_beam_search": "off"},
+        {"prompt": "x", "max_tokens": 2, "best_of": 3},  # no field in vLLM 0.32: ignored
+        {"prompt": "x", "max_tokens": 2, "return_token_ids": None},
+    ]
+    for body in served:
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 200, (body, r.text)
+    # vLLM's before-validator reads these two as sent: "false" is truthy there
+    for cont, gen in (("false", True), (True, "false")):
+        body = {"messages": CHAT, "continue_final_message": cont, "add_generation_prompt": gen}
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and "Cannot set both" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize(
     ("body", "expect"),
     [

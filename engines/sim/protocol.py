@@ -162,9 +162,12 @@ class Renderer:
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
                 raise schema_error(("messages", i, "role"), "missing", "Field required", m)
+        # vLLM's before-validator reads both as sent ("false" is truthy there), then the
+        # template reads them as the model parsed them
+        raw = body.get("continue_final_message") and body.get("add_generation_prompt")
         gen = get(body, "add_generation_prompt", bool, True)
         cont = get(body, "continue_final_message", bool, False)
-        if gen and cont:
+        if raw or (gen and cont):
             raise bad_request(
                 "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
             )
@@ -252,7 +255,7 @@ class Renderer:
             include_stop_str=get(body, "include_stop_str_in_output", bool, False),
             ignore_eos=get(body, "ignore_eos", bool, False),
             min_tokens=fields.min_tokens,
-            return_token_ids=bool(get(body, "return_token_ids", bool, False)),
+            return_token_ids=bool(get(body, "return_token_ids", bool, None)),
             body=body,
             kv_transfer_params=get(body, "kv_transfer_params", dict, None),
         )
@@ -263,7 +266,8 @@ def _is_token(t: object) -> bool:
 
 
 def _unsupported(body: Mapping[str, Any]) -> None:
-    for name in ("best_of", "use_beam_search", "echo", "logprobs", "prompt_logprobs"):
-        value = body.get(name)
-        if value not in (None, False, 1 if name == "best_of" else None):
-            raise bad_request(f"{name} is not supported by the simulator", name)
+    # vLLM 0.32 has no best_of: its request models keep it as an unknown field, unused
+    flags = [n for n in ("use_beam_search", "echo") if get(body, n, bool, None)]
+    numbers = [n for n in ("logprobs", "prompt_logprobs") if body.get(n) not in (None, False)]
+    if unsupported := flags + numbers:
+        raise bad_request(f"{unsupported[0]} is not supported by the simulator", unsupported[0])

@@ -132,7 +132,7 @@ def suffix_check(body: Mapping[str, Any]) -> None:
     if suffix is None:
         return
     prompt = body.get("prompt")
-    if body.get("echo"):
+    if get(body, "echo", bool, None):
         raise bad_request("Echo is unsupported with suffix.", "suffix")
     if body.get("truncate_prompt_tokens") is not None:
         raise bad_request("suffix is not supported with truncate_prompt_tokens", "suffix")

@@ -18,6 +18,9 @@ import re
 # optional sign, ASCII digits with single underscores between them, and a zero fraction
 _INT_TEXT = re.compile(r"[+-]?[0-9]+(?:_[0-9]+)*(?:\.0+)?")
 _I64 = 2**63  # a float beyond a 64-bit integer is refused, as pydantic-core does
+_PLAIN_INT = re.compile(r"-?[1-9][0-9]*")
+_MAX_DIGITS = 4300  # pydantic-core's (and Python's) longest integer text
+_TOO_BIG = "Unable to parse input string as an integer, exceeded maximum size"
 # Unicode White_Space, which pydantic-core trims (Rust's `str::trim`): Python's own strip()
 # also trims \x1c-\x1f, which pydantic refuses
 _SPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B)))
@@ -45,10 +48,7 @@ def lax_int(value: object) -> int:
                 "Input should be a valid integer, got a number with a fractional part",
             )
         if not -_I64 < value < _I64:
-            raise NotAnInt(
-                "int_parsing_size",
-                "Unable to parse input string as an integer, exceeded maximum size",
-            )
+            raise NotAnInt("int_parsing_size", _TOO_BIG)
         return int(value)
     if isinstance(value, str):
         text = value.strip(_SPACE)
@@ -57,7 +57,20 @@ def lax_int(value: object) -> int:
                 "int_parsing",
                 "Input should be a valid integer, unable to parse string as an integer",
             )
-        return int(text.split(".", 1)[0])
+        whole = text.split(".", 1)[0]
+        sign = "-" if whole.startswith("-") else ""
+        plain = whole.lstrip("+-")
+        digits = plain.replace("_", "").lstrip("0") or "0"
+        if len(digits) > _MAX_DIGITS:  # Python's int() refuses these with a ValueError
+            # refused as pydantic-core refuses it; its error type here follows rules of its
+            # own (mostly "size" for text that opens with plain digits), approximated
+            if _PLAIN_INT.match(value) and "_" not in value:
+                raise NotAnInt("int_parsing_size", _TOO_BIG)
+            raise NotAnInt(
+                "int_parsing",
+                "Input should be a valid integer, unable to parse string as an integer",
+            )
+        return int(sign + digits)
     raise NotAnInt("int_type", "Input should be a valid integer")
 
 

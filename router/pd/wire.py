@@ -42,8 +42,8 @@ def request_doc(body: bytes) -> dict[str, Any]:
 def not_splittable(doc: Mapping[str, Any]) -> str | None:
     """Why the engine cannot hand this request off (None: it can). A prefill leg computes
     one token; whatever needs the prompt's own outputs or several sequences stays local."""
-    if _int(doc.get("n"), 1) > 1 or _int(doc.get("best_of"), 1) > 1:
-        return "several sequences (n or best_of > 1)"
+    if _int(doc.get("n"), 1) > 1:  # vLLM 0.32 has no best_of: it ignores one sent
+        return "several sequences (n > 1)"
     if _set(doc.get("use_beam_search")):
         return "beam search"
     prompt = doc.get("prompt")
