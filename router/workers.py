@@ -241,7 +241,6 @@ class WorkerPool:
     async def discover(self, h: WorkerHandle) -> None:
         """Ask the worker for its cache config, models and event publishers; subscribe."""
         h.metrics = await self.checks.fetch_metrics(h)
-        await self.checks.refresh_models(h)
         await self._resolve_address(h)
         if h.mode_setting != APPROX:
             sources = await self._event_sources(h)
@@ -253,6 +252,8 @@ class WorkerPool:
                     f"worker {h.name} has no KV event publisher: "
                     + h.adapter.hints.events_missing.format(url=h.url)
                 )
+        # after the ranks: each rank's endpoint serves the models (and LoRA adapters) too
+        await self.checks.refresh_models(h)
         self.checks.apply_cache_config(h)
         await self.checks.check_tokenizers(h)
         h.discovered = True

@@ -49,6 +49,29 @@ class Engine:
             )
         return page
 
+    # data-parallel ranks: (running, waiting, deferred) of each, on one page, each rank
+    # publishing its own events (vLLM's /kv_event_sources); empty: one engine
+    ranks: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def rank_page(self) -> str:
+        page = ""
+        for r, (running, waiting, deferred) in enumerate(self.ranks):
+            labels = f'engine="{r}",model_name="m"'
+            page += (
+                f"vllm:num_requests_running{{{labels}}} {running}\n"
+                f"vllm:num_requests_waiting{{{labels}}} {waiting}\n"
+                f"vllm:kv_cache_usage_perc{{{labels}}} {self.kv}\n"
+                f"vllm:prefix_cache_queries_total{{{labels}}} {self.queries}\n"
+                f'vllm:num_requests_waiting_by_reason{{{labels},reason="deferred"}} {deferred}\n'
+            )
+        return page
+
+    def event_sources(self) -> dict[str, Any]:
+        return {
+            str(r): {"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{9 + r}"}
+            for r in range(len(self.ranks))
+        }
+
     def models(self) -> list[dict[str, Any]]:
         base = {"id": "m", "max_model_len": 4096}
         return [base, {"id": "m-lora", "parent": "m"}] if self.adapter else [base]
@@ -66,7 +89,9 @@ class Fleet:
             e.scrapes += 1
             if e.gate is not None:
                 await e.gate.wait()
-            return httpx.Response(200, text=e.metrics())
+            return httpx.Response(200, text=e.rank_page() if e.ranks else e.metrics())
+        if req.url.path == "/kv_event_sources":
+            return httpx.Response(200, json=e.event_sources())
         if req.url.path == "/health":
             return httpx.Response(200)
         if req.url.path == "/v1/models":
@@ -86,7 +111,7 @@ async def pool_of(
     clock = FakeClock()
     workers = tuple(WorkerConfig(f"http://{h}") for h in hosts)
     client = httpx.AsyncClient(transport=httpx.MockTransport(fleet.handle))
-    cfg = Config(workers=workers, mode="approx", **config)
+    cfg = Config(workers=workers, **({"mode": "approx"} | config))
     pool = WorkerPool(cfg, FleetState(clock), client, clock, _NoTokenizers())  # type: ignore[arg-type]
     await pool.set_workers(workers)
     return pool, fleet, clock
@@ -216,4 +241,20 @@ async def test_a_lora_worker_that_cannot_learn_says_so_once(caplog: Any) -> None
     told = [r.getMessage() for r in caplog.records if "learns no batch limit" in r.getMessage()]
     assert len(told) == 1 and BIG in told[0] and "--busy-max-requests" in told[0], told
     assert pool.fleet.load.batch_limit(BIG) is None
+    await pool.client.aclose()
+
+
+async def test_each_data_parallel_rank_learns_from_its_own_split_queue() -> None:
+    # a LoRA engine with two ranks: rank 0's queue is mostly deferred (an adapter without a
+    # slot), rank 1's waits for slots; each rank is its own endpoint and learns alone
+    engine = Engine(adapter=True, ranks=[(4, 4, 3), (6, 4, 1)])
+    pool, _, clock = await pool_of(BIG, engine=engine, mode="events")
+    feeds = pool.handles[BIG].feeds
+    names = [f.state.name for f in feeds]
+    assert names == [f"{BIG}#dp0", f"{BIG}#dp1"]
+    # each rank serves the adapter from discovery on, not from the next health check
+    assert all(f.state.adapters and f.state.models for f in feeds)
+    await learn(pool, clock)
+    assert [pool.fleet.load.batch_limit(n) for n in names] == [None, 6]
+    await pool.stop()
     await pool.client.aclose()
