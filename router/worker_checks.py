@@ -172,16 +172,11 @@ class WorkerChecks:
             # JSON or tool requests (each deferred on arrival for its grammar) is all
             # "deferred" and would teach nothing
             plain = not f.state.adapters and f.state.role == "both"
-            if not plain and src.deferred is None:
+            deferred = 0.0 if plain else src.deferred
+            if deferred is None:
                 self._learns_nothing(f.state.name, f.state.role)
             load.scraped(
-                f.state.name,
-                src.running,
-                src.waiting,
-                src.kv_usage,
-                m.num_gpu_blocks,
-                plain or src.deferred is not None,
-                None if plain else src.deferred,
+                f.state.name, src.running, src.waiting, src.kv_usage, m.num_gpu_blocks, deferred
             )
 
     def _learns_nothing(self, worker: str, role: str) -> None:

@@ -192,7 +192,7 @@ def test_a_worker_serving_lora_adapters_learns_no_limit() -> None:
     # has room: that queue teaches nothing
     load, clock = tracker()
     for _ in range(2):
-        load.scraped("w", 5, 4, 0.3, capacity_blocks=1000, learn_batch=False)
+        load.scraped("w", 5, 4, 0.3, capacity_blocks=1000, deferred=None)
         clock.advance(LEARN_CONFIRM_S)
     assert load.view("w").batch_limit is None
 

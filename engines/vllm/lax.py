@@ -20,6 +20,7 @@ _INT_TEXT = re.compile(r"[+-]?[0-9]+(?:_[0-9]+)*(?:\.0+)?")
 _I64 = 2**63  # a float beyond a 64-bit integer is refused, as pydantic-core does
 _PLAIN_INT = re.compile(r"-?[1-9][0-9]*")
 _MAX_DIGITS = 4300  # pydantic-core's (and Python's) longest integer text
+_NOT_INT = "Input should be a valid integer, unable to parse string as an integer"
 _TOO_BIG = "Unable to parse input string as an integer, exceeded maximum size"
 # Unicode White_Space, which pydantic-core trims (Rust's `str::trim`): Python's own strip()
 # also trims \x1c-\x1f, which pydantic refuses
@@ -53,10 +54,7 @@ def lax_int(value: object) -> int:
     if isinstance(value, str):
         text = value.strip(_SPACE)
         if _INT_TEXT.fullmatch(text) is None:
-            raise NotAnInt(
-                "int_parsing",
-                "Input should be a valid integer, unable to parse string as an integer",
-            )
+            raise NotAnInt("int_parsing", _NOT_INT)
         whole = text.split(".", 1)[0]
         sign = "-" if whole.startswith("-") else ""
         plain = whole.lstrip("+-")
@@ -66,10 +64,7 @@ def lax_int(value: object) -> int:
             # own (mostly "size" for text that opens with plain digits), approximated
             if _PLAIN_INT.match(value) and "_" not in value:
                 raise NotAnInt("int_parsing_size", _TOO_BIG)
-            raise NotAnInt(
-                "int_parsing",
-                "Input should be a valid integer, unable to parse string as an integer",
-            )
+            raise NotAnInt("int_parsing", _NOT_INT)
         return int(sign + digits)
     raise NotAnInt("int_type", "Input should be a valid integer")
 

@@ -147,23 +147,21 @@ class _Batch:
         waiting: float,
         kv_usage: float | None,
         known: PeerLoad,
-        learn: bool = True,
-        deferred: float | None = None,
+        deferred: float | None = 0.0,
     ) -> str | None:
-        """Take one scrape; "learned" or "dropped" when it changed the limit. `learn`:
-        False where the engine also queues for another reason that the scrape does not
-        tell apart (a worker serving LoRA adapters holds requests for an adapter not loaded
-        yet). `deferred`: of `waiting`, those the engine says it holds for such a reason
-        (`EngineMetrics.deferred`)."""
+        """Take one scrape; "learned" or "dropped" when it changed the limit. `deferred`:
+        of `waiting`, those held for something other than a slot (`EngineMetrics.deferred`);
+        None where the engine also queues for another reason that the scrape does not tell
+        apart (a worker serving LoRA adapters holds requests for an adapter not loaded yet):
+        then nothing is learned."""
         self.most = max(self.most, running)
         if self.limit is not None and running > self.limit:
             self.limit = None
             return "dropped"
-        for_slots = waiting - (deferred or 0.0) - known.riders
         full = (
-            learn
+            deferred is not None
             and self.limit is None
-            and for_slots >= LEARN_MIN_WAITING
+            and waiting - deferred - known.riders >= LEARN_MIN_WAITING
             and running >= max(1.0, self.most)  # the most it ever ran, this scrape's included
             and (kv_usage is None or kv_usage < LEARN_KV_ROOM)
             and known.prefill_tokens < LEARN_MAX_PREFILL_TOKENS
@@ -298,11 +296,9 @@ class LoadTracker:
         waiting: float,
         kv_usage: float | None,
         capacity_blocks: int | None,
-        learn_batch: bool = True,
-        deferred: float | None = None,
+        deferred: float | None = 0.0,
     ) -> None:
-        """Take one scrape of `worker`'s engine (`_Batch.scraped` for `learn_batch` and
-        `deferred`)."""
+        """Take one scrape of `worker`'s engine (`_Batch.scraped` for `deferred`)."""
         known = self.known(worker)
         engine_requests = running + waiting
         others = max(0.0, engine_requests - known.requests)
@@ -311,9 +307,7 @@ class LoadTracker:
         self._scraped[worker] = _Scraped(others, engine_blocks * share, kv_usage)
         batch = self._batch.setdefault(worker, _Batch())
         self._most_running = max(self._most_running, running)
-        change = batch.scraped(
-            self.clock.now(), running, waiting, kv_usage, known, learn_batch, deferred
-        )
+        change = batch.scraped(self.clock.now(), running, waiting, kv_usage, known, deferred)
         if change == "learned":
             log.info(
                 "worker %s queues requests at %d running with KV room and little prefill "
