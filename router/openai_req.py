@@ -92,17 +92,22 @@ def parse(kind: str, body: bytes) -> RoutingInput:
     salt = doc.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise BadRequest("'cache_salt' must be a string", param="cache_salt")
+    asked = _asked_tokens(doc, kind == "chat")
     common: dict[str, Any] = {
         "model": model,
         "cache_salt": salt or None,
         # `stream: null` is vLLM's default, false; "false" is false too
         "stream": doc.get("stream") is not None and _flag(doc, "stream", False),
-        "max_tokens": _max_tokens(doc, kind == "chat"),
+        "max_tokens": 16 if asked is None else asked,
         "n": _n(doc),
         "add_special_tokens": _flag(doc, "add_special_tokens", kind != "chat"),
         "truncate_prompt_tokens": _truncate(doc),
         "truncation_side": _side(doc),
-        "output_reserved": _output_reserved(kind, doc),
+        # whether vLLM counts output tokens against the context when it resolves a -1
+        # `truncate_prompt_tokens`: a completion's max_tokens (default 16, null too:
+        # normalize_null_max_tokens), a chat's max_completion_tokens or else max_tokens
+        # (default none)
+        "output_reserved": bool(asked) if asked is not None else kind != "chat",
     }
     if kind == "chat":
         return _chat(doc, common)
@@ -166,17 +171,14 @@ def _n(doc: dict[str, Any]) -> int:
     return 1 if n is None else n
 
 
-def _max_tokens(doc: dict[str, Any], chat: bool) -> int:
+def _asked_tokens(doc: dict[str, Any], chat: bool) -> int | None:
+    """The output tokens the request asks for; None: unset (vLLM's default applies)."""
     # a completion request has no max_completion_tokens in vLLM: it ignores one sent
     for key in ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",):
-        value = _count(doc, key)
+        value = _int(doc, key, 0, "a non-negative integer")
         if value is not None:
             return value
-    return 16
-
-
-def _count(doc: dict[str, Any], key: str) -> int | None:
-    return _int(doc, key, 0, "a non-negative integer")
+    return None
 
 
 def _flag(doc: dict[str, Any], key: str, default: bool) -> bool:
@@ -198,17 +200,6 @@ def _side(doc: dict[str, Any]) -> str | None:
             "'truncation_side' must be either 'left' or 'right'", param="truncation_side"
         )
     return value
-
-
-def _output_reserved(kind: str, doc: dict[str, Any]) -> bool:
-    """Whether vLLM counts output tokens against the context when it resolves a -1
-    `truncate_prompt_tokens`: a completion's max_tokens (default 16), a chat's
-    max_completion_tokens or else max_tokens (default none)."""
-    if kind == "chat":
-        value = _count(doc, "max_completion_tokens")
-        return bool(value if value is not None else _count(doc, "max_tokens"))
-    value = _count(doc, "max_tokens")
-    return bool(16 if value is None else value)  # null is 16 too (normalize_null_max_tokens)
 
 
 def _completion(doc: dict[str, Any], common: dict[str, Any]) -> RoutingInput:
