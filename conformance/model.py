@@ -27,6 +27,9 @@ TOKENIZER_DIR = REPO_ROOT / "engines" / "sim" / "data" / "tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 MANIFEST = "kvroute-model.json"  # written last: its presence means the folder is complete
 LORA_NAME = "lora-a"
+# the same weights served under a second name: vLLM gives each name its own adapter id, so
+# with --max-loras 1 (its default) a batch runs one of the two and holds the other's requests
+LORA_B_NAME = "lora-b"
 SEED = 1234
 
 ARCH = {

@@ -18,7 +18,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from conformance.model import LORA_NAME, REPO_ROOT
+from conformance.model import LORA_B_NAME, LORA_NAME, REPO_ROOT
 from conformance.procs import free_ports, http_ok, log_tail, spawn, stop_group
 
 TOPIC = "kv-events"
@@ -88,7 +88,7 @@ class SimServer:
         if not self.int_hashes:
             cmd.append("--bytes-hashes")
         if self.enable_lora:
-            cmd += ["--lora-modules", f"{LORA_NAME}={LORA_NAME}"]
+            cmd += ["--lora-modules", f"{LORA_NAME}={LORA_NAME}", f"{LORA_B_NAME}={LORA_NAME}"]
         if not self.kv_events:
             cmd.append("--no-events")
         return cmd + list(self.extra_args)

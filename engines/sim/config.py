@@ -49,6 +49,9 @@ class SimConfig:
     seed: int = 0
     output_len: tuple[int, int] = (16, 64)
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) served as extra models
+    # vLLM's --max-loras (default 1): adapters in one batch; a request for another one waits,
+    # "deferred", while other requests pass it
+    max_loras: int = 1
     api_key: str | None = None  # vLLM's --api-key: guards /v1/* as vLLM does
     data_parallel_size: int = 1  # vLLM's --data-parallel-size: engines behind one server
     data_parallel_rank: int = 0  # which one this engine is (its events and metrics say so)
@@ -71,6 +74,7 @@ class SimConfig:
             )
         _positive("max_num_seqs", self.max_num_seqs, "e.g. --max-batch 64")
         _positive("max_num_batched_tokens", self.max_num_batched_tokens, "e.g. 8192")
+        _positive("max_loras", self.max_loras, "vLLM's default is 1")
         _positive("buffer_steps", self.buffer_steps, "vLLM's default is 10000")
         _positive("data_parallel_size", self.data_parallel_size, "e.g. --data-parallel-size 2")
         if not 0 <= self.port < 65536:

@@ -95,8 +95,9 @@ class EngineStats:
     preemptions: int
     steps: int
     # of `waiting`, those held for something other than a batch slot: here the requests
-    # whose prompt KV a pull from a prefill worker brings. vLLM counts them as waiting, and
-    # as "deferred" in num_requests_waiting_by_reason from the pull's start until they are
+    # whose prompt KV a pull from a prefill worker brings, and those passed over for a LoRA
+    # slot (--max-loras). vLLM counts them as waiting, and as "deferred" in
+    # num_requests_waiting_by_reason from the pull's start or the first pass until they are
     # scheduled (its `deferred_waiting`), so after the pull too
     deferred: int = 0
 
@@ -270,7 +271,7 @@ class Engine:
             prefix_hits=s.stats.hits,
             preemptions=s.stats.preemptions,
             steps=self.steps,
-            deferred=loading + sum(1 for r in s.waiting if r.blocks),
+            deferred=loading + sum(1 for r in s.waiting if r.blocks or r in s.lora_deferred),
         )
 
     # ---- the step loop -------------------------------------------------------------------

@@ -6,7 +6,9 @@ running request is preempted (blocks freed tail first, request back at the head 
 queue, recomputed later). Then, if nothing was preempted, waiting requests are admitted in
 FCFS order while the batch has room (`max_num_seqs`), the token budget
 (`max_num_batched_tokens`) lasts and the pool can hold the whole prompt; the first that does
-not fit blocks the queue.
+not fit blocks the queue. A request for a LoRA adapter when the step already runs
+`max_loras` others is passed over instead (the requests behind it may run) and counted
+"deferred" until it is scheduled, as vLLM's `deferred_waiting`.
 
 Prefill -> decode (vLLM's NixlConnector, pull mode): a waiting request whose prompt KV is to
 be pulled from a prefill worker gets blocks for its whole prompt, adopts its local prefix
@@ -81,15 +83,18 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_id: int,
+        max_loras: int = 1,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
+        self.max_loras = max_loras
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.loading: list[SimRequest] = []  # WAITING_FOR_REMOTE_KVS
+        self.lora_deferred: set[SimRequest] = set()  # passed over for a LoRA slot, waiting
         self.stats = PrefixStats()
         self.retain: Retain | None = None  # a connector keeping finished requests' blocks
 
@@ -106,6 +111,7 @@ class Scheduler:
         if req.finished:
             return
         loading = req.status is Status.WAITING_FOR_REMOTE_KVS
+        self.lora_deferred.discard(req)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -145,8 +151,16 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, plan: StepPlan, budget: int) -> None:
+        # the adapters of the running requests this step runs (vLLM: scheduled_running_reqs)
+        loras = {c.request.keys.lora_id for c in plan.chunks if c.request.keys.lora_id}
+        passed: list[SimRequest] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            lora = req.keys.lora_id
+            if lora and lora not in loras and len(loras) >= self.max_loras:
+                passed.append(self.waiting.popleft())
+                self.lora_deferred.add(req)
+                continue
             if req.blocks:  # KV pulled from a prefill worker: all but the last token
                 hit, num_hit = [], req.num_computed
             else:
@@ -160,6 +174,9 @@ class Scheduler:
             if not self.kv.allocate_slots(req, n, hit, full_sequence_must_fit=True):
                 break
             self.waiting.popleft()
+            self.lora_deferred.discard(req)
+            if lora:
+                loras.add(lora)
             if req.num_cached_tokens < 0:  # first admission: what the response reports
                 req.num_cached_tokens = num_hit
                 self.stats.queries += req.num_tokens
@@ -170,6 +187,7 @@ class Scheduler:
             plan.chunks.append(Chunk(req, n, num_hit, True))
             req.num_computed = num_hit + n
             budget -= n
+        self.waiting.extendleft(reversed(passed))  # back at the head, in their order
 
     def _start_load(self, plan: StepPlan, req: SimRequest, hit: list[Block], num_hit: int) -> bool:
         """Allocate the whole prompt and hand the request to the engine's pull (vLLM:

@@ -86,6 +86,7 @@ class SimWorker:
             max_num_batched_tokens=c.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             eos_token_id=self.tokenizer.eos_token_id,
+            max_loras=c.max_loras,
         )
         model = FakeModel(
             self.tokenizer.word_ids, self.tokenizer.eos_token_id, c.seed, c.output_len

@@ -1,0 +1,147 @@
+"""Check: requests an engine holds for a LoRA adapter slot do not teach kvroute a batch limit.
+
+With --max-loras 1 (vLLM's default), while `main` runs a long request on `lora-a`, its
+requests for `lora-b` wait although the batch has room; vLLM 0.32 counts them as waiting,
+and as "deferred" in `vllm:num_requests_waiting_by_reason`. Read as a queue for batch
+slots, that moment says "a batch of 1" (a wrong limit would turn every request after it
+away from the worker). Through `kvroute serve` in front of `main`, the check holds that
+moment for a few scrapes and asserts:
+- the engine's page shows the held requests as waiting and deferred (the semantics kvroute
+  relies on, on the real engine);
+- the same scrapes, read without the split, would teach a limit (the moment can teach);
+- kvroute learned none (`kvroute_worker_batch_limit` has no sample for the worker);
+- the held requests are served once the slot frees: none lost."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import httpx
+
+from conformance.client import client
+from conformance.registry import Findings, check
+from conformance.session import Context
+from conformance.targets import ENGINE, LORA, Engine
+from engines.vllm.discovery import parse_metrics
+from indexer.clock import FakeClock
+from router.core.load import LEARN_CONFIRM_S, LoadTracker
+from router.procs import RouterProcess
+
+HELD = 3  # lora-b requests held while lora-a runs (kvroute learns from 2 waiting)
+# held this long by the engine's own page: kvroute scrapes every second, and a scrape of
+# a vLLM on two busy cores was seen to take 3 s
+HOLD_S = 6.0
+LIMIT_S = 60.0
+LONG_TOKENS = 3500  # lora-a's output: it must outlast the hold (it is hung up on then)
+CONTROL = "control (the scrapes read without the split)"  # names it in the log line it gives
+
+
+@check(
+    "lora-slots",
+    "requests the engine holds for a LoRA adapter slot (--max-loras) show as deferred on "
+    "its /metrics, and kvroute serve in front of it learns no batch limit from them",
+    needs=(ENGINE, LORA),
+    engines=("main",),
+    timeout_s=300.0,
+)
+async def lora_slots(ctx: Context, f: Findings) -> None:
+    engine = await ctx.engine("main")
+    router = await asyncio.to_thread(
+        RouterProcess,
+        [engine.url],
+        tokenizer=ctx.tokenizer_dir,
+        ready_timeout=90.0,
+        log_dir=ctx.workdir / "lora-slots-router",
+    )
+    try:
+        f.note("router_log", str(router.log_path))
+        async with client(router.url) as via, client(engine.url) as direct:
+            await _hold(engine, via, direct, f)
+            page = (await via.get("/metrics")).text
+    finally:
+        await asyncio.to_thread(router.stop)
+    worker = engine.url.split("://", 1)[1]
+    learned = [
+        line
+        for line in page.splitlines()
+        if line.startswith("kvroute_worker_batch_limit{") and f'"{worker}"' in line
+    ]
+    f.note("kvroute_batch_limit", learned or None)
+    f.require(
+        not learned,
+        f"kvroute learned a batch limit from requests held for a LoRA slot: {learned}",
+    )
+
+
+async def _hold(
+    engine: Engine, via: httpx.AsyncClient, direct: httpx.AsyncClient, f: Findings
+) -> None:
+    first, second = engine.lora_name, engine.second_lora_name
+    assert first is not None and second is not None
+    # not streamed: nothing to relay per token, on cores the engine's are busy on
+    long_body: dict[str, Any] = {"model": first, "prompt": "One adapter holds the slot. " * 8}
+    long_body |= {"max_tokens": LONG_TOKENS, "ignore_eos": True}
+    long = asyncio.create_task(via.post("/v1/completions", json=long_body))
+    samples: list[dict[str, Any]] = []
+    held: list[asyncio.Task[httpx.Response]] = []
+    started = time.monotonic()
+    while time.monotonic() - started < LIMIT_S and not long.done():
+        m = parse_metrics((await direct.get("/metrics")).text)
+        now = time.monotonic()
+        samples.append(
+            {"t": now, "running": m.running, "waiting": m.waiting, "deferred": m.deferred}
+        )
+        if not held and m.running >= 1:  # it runs, and holds the slot: send the others
+            for i in range(HELD):
+                body = {"model": second, "prompt": f"Held request {i} for the other adapter."}
+                held.append(
+                    asyncio.create_task(via.post("/v1/completions", json=body | {"max_tokens": 2}))
+                )
+        holding = [s for s in samples if _holding(s)]
+        if holding and holding[-1]["t"] - holding[0]["t"] >= HOLD_S:
+            break
+        await asyncio.sleep(0.2)
+    long_ran = not long.done()  # it held the slot throughout
+    long.cancel()  # hanging up aborts it (through kvroute, on the engine); the held then run
+    with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+        await long
+    answers = await asyncio.gather(*held, return_exceptions=True)
+    statuses = [a.status_code if isinstance(a, httpx.Response) else repr(a) for a in answers]
+    f.note("held_answers", statuses)
+    f.require(statuses == [200] * HELD, f"requests held for a LoRA slot were lost: {statuses}")
+    _judge(samples, long_ran, f)
+
+
+def _holding(s: dict[str, Any]) -> bool:
+    return bool(s["running"] >= 1 and s["waiting"] >= HELD)
+
+
+def _judge(samples: list[dict[str, Any]], long_ran: bool, f: Findings) -> None:
+    held = [s for s in samples if _holding(s)]
+    span = held[-1]["t"] - held[0]["t"] if held else 0.0
+    f.note("samples", {"taken": len(samples), "holding": len(held), "held_s": round(span, 1)})
+    f.require(long_ran, f"the long request ended before the hold did: {samples[-3:]}")
+    f.require(
+        span >= HOLD_S, f"the engine held requests for {span:.1f} s, not {HOLD_S}: {samples[-3:]}"
+    )
+    if not held:
+        return
+    f.require(
+        all(s["deferred"] == s["waiting"] for s in held),
+        "the engine counted requests held for a LoRA slot as waiting for capacity: "
+        f"{[s for s in held if s['deferred'] != s['waiting']][:3]}",
+    )
+    # the control: the same scrapes read as a plain worker's queue (no split) teach a limit
+    clock = FakeClock()
+    naive = LoadTracker(clock=clock)
+    for s in held[:2]:
+        naive.scraped(CONTROL, s["running"], s["waiting"], 0.1, 1000, 0.0)
+        clock.advance(LEARN_CONFIRM_S)
+    f.note("read_without_the_split_learns", naive.batch_limit(CONTROL))
+    f.require(
+        naive.batch_limit(CONTROL) is not None,
+        "the held moment teaches no limit even read without the split: the check proves nothing",
+    )
