@@ -50,6 +50,10 @@ class EngineMetrics:
     hash_algo: str | None = None
     prefix_queries: float | None = None
     prefix_hits: float | None = None
+    # tokens the engine generated since it started (vllm:generation_tokens_total): it moves
+    # while any request decodes, so a request waiting on a worker whose count moved was
+    # waiting on a live engine
+    generation_tokens: float | None = None
     by_rank: dict[int, RankLoad] = field(default_factory=dict)
 
 

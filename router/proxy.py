@@ -8,7 +8,9 @@ through, routed by the body's `model`, never answered 404 by the router.
 A request that reached no client byte yet is retried once on the next endpoint when its
 worker refused the connection, was given up on (ejected as dead or hung), or did not answer
 within the first-byte timeout; a worker that times out `eject_after_timeouts` times in a row
-is ejected until its health check passes."""
+is ejected until its health check passes. A non-streaming request that reaches the request
+timeout is answered 504, not retried, and held against its worker only where its engine
+generated nothing meanwhile (`_whole_timeout`)."""
 
 from __future__ import annotations
 
@@ -34,7 +36,14 @@ from router.asgi import (
 )
 from router.core.config import Config
 from router.core.decision import Constraints, Decision, WorkerScore
-from router.core.errors import BadRequest, KvrouteError, MethodNotAllowed, Overloaded, UpstreamError
+from router.core.errors import (
+    BadRequest,
+    KvrouteError,
+    MethodNotAllowed,
+    Overloaded,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from router.forward import (
     ConnectFailed,
     Forwarder,
@@ -178,6 +187,7 @@ class ProxyDoor:
             rank = self.svc.fleet.workers[choice.worker].rank
             sent = with_rank(r.headers, rank)
             ticket = self.svc.start(r.decision, choice.worker)
+            sent_at = self.pool.clock.now()
             outcome: str | None = "error"
             try:
                 result = await self.forwarder.forward(
@@ -198,7 +208,10 @@ class ProxyDoor:
                 self._done(ticket, r, result)
                 return
             except ConnectFailed as exc:
-                outcome = "timeout" if isinstance(exc, WorkerTimedOut) else "connect_failed"
+                timed_out = isinstance(exc, WorkerTimedOut)
+                outcome = "timeout" if timed_out else "connect_failed"
+                if timed_out and not r.rin.stream:
+                    raise self._whole_timeout(choice.worker, sent_at) from None
                 failures.append(str(exc))
                 self._worker_failed(choice.worker, exc)
             except asyncio.CancelledError:
@@ -208,6 +221,21 @@ class ProxyDoor:
                 if outcome is not None:
                     self.svc.finish(ticket, status=0, outcome=outcome)
         raise UpstreamError("no worker could take the request", detail="; ".join(failures))
+
+    def _whole_timeout(self, worker: str, sent_at: float) -> UpstreamTimeout:
+        """A non-streaming answer has no head until it is whole (vLLM's way), so its wait is
+        the request timeout, which a long generation reaches on a healthy worker. Retrying
+        would run it again elsewhere, and counting it as a hang would eject healthy workers
+        (and cut their streams) one long request at a time. It counts as one only where the
+        worker's engine generated no token meanwhile (its scrapes): an engine hung behind a
+        live API server passes health checks, and non-streaming traffic must still find it."""
+        if not self.pool.progressed_since(worker, sent_at):
+            self.pool.note_timeout(worker, "no answer, and its engine generated no token meanwhile")
+        return UpstreamTimeout(
+            f"no answer within the request timeout ({self.config.request_timeout_s:g} s): "
+            "a non-streaming answer comes whole; stream it, or raise --request-timeout",
+            detail=f"worker {worker}",
+        )
 
     async def _next_choice(self, r: _Request, tried: set[str]) -> WorkerScore | None:
         """The best endpoint not tried yet. The first decision's runners-up are the retry

@@ -157,6 +157,9 @@ class WorkerChecks:
         if _restarted(h.metrics, m):  # rediscovering forgets its batch limit too
             h.metrics = m
             await self.pool.rediscover(h, "its /metrics counters went back (engine restart)")
+        before = h.metrics.generation_tokens if h.metrics is not None else None
+        if m.generation_tokens is not None and before is not None and m.generation_tokens > before:
+            h.progressed_at = self.pool.clock.now()
         h.metrics = m
         for f in h.feeds:
             # a DP rank's own figures; a rank its engine did not report is left as it was

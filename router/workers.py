@@ -60,6 +60,8 @@ class WorkerHandle:
     metrics: EngineMetrics | None = None
     failures: int = 0  # consecutive failed health checks
     timeouts: int = 0  # consecutive requests that timed out
+    # when a scrape last showed its engine's generated-token count move (None: never seen)
+    progressed_at: float | None = None
     draining: bool = False  # taken out of rotation by an operator (admin API)
     last_error: str = ""
     problems: dict[str, str] = field(default_factory=dict)  # config problems found by probes
@@ -383,6 +385,12 @@ class WorkerPool:
         h.timeouts += 1
         if h.timeouts >= self.config.eject_after_timeouts:
             self.set_down(h, f"{h.timeouts} requests in a row timed out ({why})")
+
+    def progressed_since(self, endpoint: str, since: float) -> bool:
+        """Whether a scrape since `since` (the pool's clock) showed the worker's engine
+        generate tokens: it was alive then, whatever a request waiting on it met."""
+        h = self.handle_of(endpoint)
+        return h is not None and h.progressed_at is not None and h.progressed_at >= since
 
     def note_answered(self, endpoint: str) -> None:
         h = self.handle_of(endpoint)

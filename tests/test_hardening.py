@@ -154,6 +154,44 @@ async def test_a_hung_worker_is_ejected_and_its_waiting_requests_fail_over() -> 
         os.kill(s.fleets[1].pid, signal.SIGCONT)
 
 
+async def test_a_whole_answer_past_the_request_timeout_is_a_504_run_once() -> None:
+    """vLLM sends a non-streaming answer's head with its body: a long generation reaches
+    the request timeout on a healthy worker. It must be a 504, not run again on the next
+    worker, and not held against either: three in a row ejected both workers (and cut
+    their streams)."""
+    # health checks seldom: an ejection must not be undone by one before it is seen
+    calm = {"health_check_interval_s": 30.0, "eject_after_timeouts": 2}
+    async with router(2, request_timeout_s=1.0, **calm) as s:
+        long = body(DOC, max_tokens=400, ignore_eos=True)  # ~6 s at 15 ms a token
+        for _ in range(3):
+            started = asyncio.get_running_loop().time()
+            resp = await s.client.post("/v1/completions", json=long)
+            took = asyncio.get_running_loop().time() - started
+            assert resp.status_code == 504, resp.text
+            assert "--request-timeout" in resp.json()["error"]["message"]
+            assert took < 3.0  # one attempt, not two
+        metrics = (await s.client.get("/metrics")).text
+        assert "kvroute_retries_total{" not in metrics
+        health = (await s.client.get("/health")).json()
+        assert health["unhealthy_workers"] == [], health
+        assert [h.timeouts for h in s.app.pool.handles.values()] == [0, 0]
+        streamed = await stream_lines(s.client, body("a stream after them", stream=True))
+        assert streamed[-1] == "data: [DONE]" and "error" not in "".join(streamed)
+
+
+async def test_whole_answers_timing_out_on_an_engine_that_generates_nothing_eject_it() -> None:
+    """The other side: an engine stuck behind a live API server (health checks pass) is
+    still ejected by its non-streaming requests' timeouts, its scrapes showing no token."""
+    stuck = ("--ttft-base-ms", "60000")  # its first step takes a minute
+    calm = {"health_check_interval_s": 30.0, "eject_after_timeouts": 2}
+    async with router(1, sim_args=stuck, request_timeout_s=1.0, **calm) as s:
+        for _ in range(2):
+            resp = await s.client.post("/v1/completions", json=body(f"{DOC} stuck"))
+            assert resp.status_code == 504, resp.text
+        health = (await s.client.get("/health")).json()
+        assert health["unhealthy_workers"] == [s.name(0)], health
+
+
 async def test_a_retry_is_decided_again_when_the_load_bound_left_no_runner_up() -> None:
     """The worker holding a long stream is over the load bound, so the first decision ranks
     only the other one; that one is dead (not yet ejected): the retry must still find a worker."""

@@ -67,6 +67,10 @@ async def metrics(ctx: Context, f: Findings) -> None:
             "tell the requests the engine holds for a LoRA slot or KV in transfer from those "
             "waiting for a batch slot"
         )
+    if not fast.generation_tokens:
+        # a non-streaming request's timeout counts against its worker only where this did not
+        # move (router/proxy.py): without it every such timeout counts, as a hang
+        f.problems.append("generation_tokens_total is 0 after traffic: no sign of a live engine")
     if not fast.prefix_queries:
         f.problems.append("prefix_cache_queries_total is 0 after traffic: nothing was compared")
     f.note(
@@ -90,5 +94,6 @@ def _summary(m: EngineMetrics) -> dict[str, object]:
         "hash_algo": m.hash_algo,
         "prefix_queries": m.prefix_queries,
         "prefix_hits": m.prefix_hits,
+        "generation_tokens": m.generation_tokens,
         "ranks": sorted(m.by_rank),
     }

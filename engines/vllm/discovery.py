@@ -135,6 +135,7 @@ def _metrics(samples: Iterable[Sample]) -> EngineMetrics:
         hash_algo=info.get("prefix_caching_hash_algo"),
         prefix_queries=values.get("vllm:prefix_cache_queries_total"),
         prefix_hits=values.get("vllm:prefix_cache_hits_total"),
+        generation_tokens=values.get("vllm:generation_tokens_total"),
         by_rank=by_rank,
     )
 
@@ -145,6 +146,7 @@ _WANTED = {
     "vllm:kv_cache_usage_perc",
     "vllm:prefix_cache_queries_total",
     "vllm:prefix_cache_hits_total",
+    "vllm:generation_tokens_total",
 }
 _INFO = "vllm:cache_config_info"
 _BY_REASON = "vllm:num_requests_waiting_by_reason"  # vLLM >= 0.32
