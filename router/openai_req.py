@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from engines.vllm.lax import NotABool, NotAnInt, lax_bool, lax_int
+from engines.vllm.lax import NotABool, NotAnInt, NotAPrompt, lax_bool, lax_int, lax_prompt
 from router.core.errors import BadRequest
 
 _decoder = msgspec.json.Decoder()
@@ -86,7 +86,9 @@ class RoutingInput:
 
 def parse(kind: str, body: bytes) -> RoutingInput:
     doc = _object(body)
-    model = doc.get("model", "")
+    model = doc.get("model")
+    if model is None:
+        model = ""  # vLLM's `model: str | None`: none named, the engine's default
     if not isinstance(model, str):
         raise BadRequest("'model' must be a string", param="model")
     salt = doc.get("cache_salt")
@@ -140,9 +142,12 @@ def parse_passthrough(path: str, body: bytes) -> RoutingInput:
     return RoutingInput.bodyless(model)
 
 
+BOM = b"\xef\xbb\xbf"  # Python's json, which vLLM's server parses with, skips one
+
+
 def _object(body: bytes) -> dict[str, Any]:
     try:
-        doc = _decoder.decode(body)
+        doc = _decoder.decode(body[3:] if body.startswith(BOM) else body)
     except msgspec.DecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     except RecursionError:
@@ -204,23 +209,29 @@ def _side(doc: dict[str, Any]) -> str | None:
 
 def _completion(doc: dict[str, Any], common: dict[str, Any]) -> RoutingInput:
     prompt = doc.get("prompt")
+    if prompt is None and doc.get("prompt_embeds"):
+        # embeddings in place of a prompt (`--enable-prompt-embeds`): no tokens to route by
+        return RoutingInput("none", **common)
+    try:
+        batch, prompts = lax_prompt(prompt)
+    except NotAPrompt:
+        raise BadRequest(
+            "'prompt' must be a string, a list of token ids, or a batch of either",
+            param="prompt",
+        ) from None
+    if not prompts or (isinstance(prompts[0], list) and not prompts[0]):
+        raise BadRequest("'prompt' is empty", param="prompt")
+    for ids in prompts:
+        if isinstance(ids, list) and ids:
+            _check_ids(ids)
     # A batch of prompts is routed by its first prompt: the others go along to the same
     # worker, which runs `n` sequences for each (the load counted at the pick).
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        common = {**common, "n": common["n"] * len(prompt)}
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return RoutingInput("completion", prompt_text=prompt, **common)
-    if isinstance(prompt, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
-    ):
-        if not prompt:
-            raise BadRequest("'prompt' is empty", param="prompt")
-        _check_ids(prompt)
-        return RoutingInput("completion", prompt_ids=list(prompt), **common)
-    raise BadRequest(
-        "'prompt' must be a string, a list of token ids, or a batch of either", param="prompt"
-    )
+    if batch:
+        common = {**common, "n": common["n"] * len(prompts)}
+    first = prompts[0]
+    if isinstance(first, str):
+        return RoutingInput("completion", prompt_text=first, **common)
+    return RoutingInput("completion", prompt_ids=first, **common)
 
 
 def _check_ids(ids: list[int]) -> None:

@@ -4,11 +4,12 @@ pydantic itself on random values, and through the parser every door uses."""
 from __future__ import annotations
 
 import json
+from typing import Annotated
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pydantic import TypeAdapter, ValidationError
+from pydantic import Field, TypeAdapter, ValidationError
 
 from engines.vllm.lax import NotABool, NotAnInt, lax_bool, lax_int
 from router.core.errors import BadRequest
@@ -158,3 +159,63 @@ def test_a_completion_ignores_max_completion_tokens_as_vllm_does() -> None:
     assert parse("completion", json.dumps(body).encode()).max_tokens == 5
     body = {"model": "m", "prompt": "hi", "max_completion_tokens": "abc"}
     assert parse("completion", json.dumps(body).encode()).max_tokens == 16
+
+
+# vLLM 0.32's CompletionRequest.prompt, ids as `Annotated[int, Field(ge=0)]`
+_ID = Annotated[int, Field(ge=0)]
+PYDANTIC_PROMPT = TypeAdapter(list[_ID] | list[list[_ID]] | str | list[str])
+ID_ISH = st.one_of(
+    st.integers(0, 2**32 - 1),
+    st.integers(-3, -1),
+    st.booleans(),
+    st.integers(0, 999).map(float),
+    st.sampled_from([1.5, "7", " 8 ", "x", "", None]),
+)
+PROMPTS = st.one_of(
+    st.text(max_size=5),
+    st.lists(ID_ISH, max_size=4),
+    st.lists(st.lists(ID_ISH, max_size=3), max_size=3),
+    st.lists(st.one_of(st.text(max_size=3), st.lists(ID_ISH, max_size=2)), max_size=3),
+    st.integers(),
+)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(PROMPTS)
+def test_a_prompt_is_read_as_vllms_request_model_reads_it(prompt: object) -> None:
+    """Token ids given as 1.0, true or "7" are ids to vLLM (lax mode); what it refuses,
+    kvroute refuses. An empty prompt (vLLM refuses it later) is refused by both."""
+    body = json.dumps({"model": "m", "prompt": prompt}).encode()
+    try:
+        want = PYDANTIC_PROMPT.validate_python(prompt)
+    except ValidationError:
+        with pytest.raises(BadRequest):
+            parse("completion", body)
+        return
+    first = (
+        want[0] if isinstance(want, list) and want and isinstance(want[0], (str, list)) else want
+    )
+    batch = len(want) if first is not want else 1
+    if first == [] or (isinstance(want, list) and not want):
+        with pytest.raises(BadRequest):
+            parse("completion", body)
+        return
+    got = parse("completion", body)
+    assert (got.prompt_text, got.prompt_ids, got.n) == (
+        (first, None, batch) if isinstance(first, str) else (None, first, batch)
+    )
+
+
+def test_a_null_model_is_the_engines_default_and_a_bom_is_skipped() -> None:
+    assert parse("completion", b'{"model": null, "prompt": "hi"}').model == ""
+    bom = b"\xef\xbb\xbf" + json.dumps({"model": "m", "prompt": "hi"}).encode()
+    assert parse("completion", bom).prompt_text == "hi"
+    with pytest.raises(BadRequest, match="'model' must be a string"):
+        parse("completion", b'{"model": 5, "prompt": "hi"}')
+
+
+def test_prompt_embeds_without_a_prompt_route_by_model_and_load() -> None:
+    got = parse("completion", b'{"model": "m", "prompt_embeds": "AAAA", "stream": true}')
+    assert (got.kind, got.model, got.stream) == ("none", "m", True)
+    with pytest.raises(BadRequest, match="'prompt'"):
+        parse("completion", b'{"model": "m"}')

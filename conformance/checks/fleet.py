@@ -225,7 +225,8 @@ async def fleet(ctx: Context, f: Findings) -> None:
 
 async def _lax_fields(http: httpx.AsyncClient, model: str, f: Findings) -> None:
     """Fields as vLLM's request models read them (pydantic's lax mode) pass the router and
-    are served as the engine reads them: "false" is no stream, "3" and 2.0 are integers."""
+    are served as the engine reads them: "false" is no stream, "3" and 2.0 are integers,
+    `model: null` is the default model, and 300.0, true and "301" are token ids."""
     body = {"model": model, "prompt": "Lax fields, read as the engine reads them.", "n": 2.0}
     body |= {"max_tokens": "3", "ignore_eos": "true", "temperature": 0.7, "stream": "false"}
     r = await http.post("/v1/completions", json=body)
@@ -236,8 +237,16 @@ async def _lax_fields(http: httpx.AsyncClient, model: str, f: Findings) -> None:
         seen |= {"choices": len(doc["choices"]), "output": doc["usage"]["completion_tokens"]}
     r = await http.post("/v1/completions", json=body | {"stream": "on", "n": "1"})
     seen["streamed"] = r.status_code == 200 and b"data: [DONE]" in r.content
+    # no model named (null: the engine's default), token ids as numbers pydantic takes
+    ids: dict[str, Any] = {"model": None, "prompt": [300.0, True, "301", 302], "max_tokens": 2}
+    r = await http.post("/v1/completions", json=ids)
+    seen["ids"] = r.status_code
+    seen["ids_batch"] = (
+        await http.post("/v1/completions", json=ids | {"prompt": [[300.0, 301], [True, 5.0]]})
+    ).status_code
     f.note("lax_fields", seen)
-    want = {"status": 200, "choices": 2, "output": 6, "streamed": True}
+    want = {"status": 200, "choices": 2, "output": 6, "streamed": True, "ids": 200}
+    want["ids_batch"] = 200
     f.require(
         {k: seen.get(k) for k in want} == want,
         f'max_tokens "3", n 2.0, stream "false" then "on" through kvroute: {seen}',

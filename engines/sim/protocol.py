@@ -27,6 +27,7 @@ from engines.sim.validation import (
     token_budget_checks,
     truncation,
 )
+from engines.vllm.lax import NotAPrompt, lax_prompt
 
 
 def stop_list(body: Mapping[str, Any]) -> list[str]:
@@ -126,18 +127,21 @@ class Renderer:
         if prompt is MISSING or prompt is None:
             raise schema_error(("prompt",), "missing", "Field required", body)
         special = get(body, "add_special_tokens", bool, True)
-        if isinstance(prompt, str):
-            return [cut.encoded(partial(self.tokenizer.encode, prompt, special))]
-        if isinstance(prompt, list) and prompt:
-            if all(_is_token(t) for t in prompt):
-                return [cut.cut(list(prompt))]
-            if all(isinstance(p, str) for p in prompt):
-                return [cut.encoded(partial(self.tokenizer.encode, p, special)) for p in prompt]
-            if all(isinstance(p, list) and all(_is_token(t) for t in p) for p in prompt):
-                return [cut.cut(list(p)) for p in prompt]
-        raise schema_error(
-            ("prompt",), "union", "Input should be a string or a list of token ids", prompt
-        )
+        try:
+            _, prompts = lax_prompt(prompt)  # 1.0, true and "7" are token ids, as in vLLM
+        except NotAPrompt:
+            prompts = []
+        ids_ok = all(isinstance(p, str) or all(t >= 0 for t in p) for p in prompts)
+        if not ids_ok or not prompts or not prompt:
+            raise schema_error(
+                ("prompt",), "union", "Input should be a string or a list of token ids", prompt
+            )
+        return [
+            cut.encoded(partial(self.tokenizer.encode, p, special))
+            if isinstance(p, str)
+            else cut.cut(p)
+            for p in prompts
+        ]
 
     def tokenize_ids(self, body: Mapping[str, Any]) -> list[int]:
         """/tokenize: `messages`, or `prompt` as one string (vLLM's TokenizeRequest union of

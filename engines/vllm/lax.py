@@ -102,3 +102,40 @@ def lax_bool(value: object) -> bool:
     else:
         in_range = isinstance(value, float) and value.is_integer() and -_I64 < value < _I64
     raise NotABool("bool_parsing" if in_range else "bool_type")
+
+
+class NotAPrompt(ValueError):
+    """The value is no completion prompt to vLLM (its union refuses every member)."""
+
+
+def lax_prompt(prompt: object) -> tuple[bool, list[str | list[int]]]:
+    """A completion's `prompt` as vLLM 0.32's request model reads it: `list[int] |
+    list[list[int]] | str | list[str]`, every member tried strictly first, then laxly in
+    that order (pydantic's smart union), so `[1.0, 2.0]`, `[true, false]` and `["1", 2]`
+    are token ids. Returns (whether it is a batch, its prompts); ids may be negative (the
+    model's `ge=0` is the caller's to check), and a list may be empty. Raises NotAPrompt."""
+    if isinstance(prompt, str):
+        return False, [prompt]
+    if not isinstance(prompt, list):
+        raise NotAPrompt("the prompt is neither a string nor a list")
+    if all(type(t) is int for t in prompt):
+        return False, [prompt]
+    if prompt and all(isinstance(p, list) and all(type(t) is int for t in p) for p in prompt):
+        return True, list(prompt)
+    if all(isinstance(p, str) for p in prompt):
+        return True, list(prompt)
+    ids = _lax_ids(prompt)
+    if ids is not None:
+        return False, [ids]
+    if all(isinstance(p, list) for p in prompt):
+        lists = [_lax_ids(p) for p in prompt]
+        if all(p is not None for p in lists):
+            return True, [p for p in lists if p is not None]
+    raise NotAPrompt("the prompt is no string, token ids, or batch of either")
+
+
+def _lax_ids(values: list[object]) -> list[int] | None:
+    try:
+        return [lax_int(t) for t in values]
+    except NotAnInt:
+        return None
