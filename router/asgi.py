@@ -52,6 +52,12 @@ async def _read(receive: Receive, limit: int) -> bytes:
 # instead of keeping a task per request waiting on receive() for the disconnect.
 CLIENT_GONE = "kvroute.client_gone"
 
+# Scope key kvroute's HTTP server adds: a callable that ends the response without its last
+# chunk (router.server), so the client sees a truncated transfer. A body that is not an
+# event stream has no in-band way to say it was cut short (a JSON answer, a stream of
+# bytes): ending it cleanly would hand the client a short body as if complete.
+CUT_RESPONSE = "kvroute.cut_response"
+
 # Scope key kvroute's HTTP server sets (to True) on a request still running when the drain
 # timeout expires, just before it cancels the request's task (router.server): the app then
 # ends the response itself, in OpenAI's shape, rather than leave uvicorn's plain-text 500 or

@@ -5,7 +5,8 @@ cached tokens sniffed on the way.
 
 A worker that fails before anything reached the client raises a retryable error
 (`ConnectFailed`, `WorkerTimedOut`); one that fails mid-stream ends the client's stream with
-an OpenAI-shaped error event and `[DONE]`, so a truncated answer never looks complete. Error
+an OpenAI-shaped error event and `[DONE]`, so a truncated answer never looks complete (a
+body that is no event stream is cut short instead: `Outcome.cut`). Error
 texts sent to clients never name internal addresses."""
 
 from __future__ import annotations
@@ -43,20 +44,23 @@ HOP_BY_HOP = frozenset(
         b"expect",
     }
 )
-# Routing decisions belong to the router; a client must not be able to steer them.
+RANK_HEADER = b"x-data-parallel-rank"  # vLLM routes a request to this data-parallel rank
+# Routing decisions belong to the router; a client must not be able to steer them (a
+# client's rank header came first, and vLLM reads the first: the index and load counted
+# the router's rank while another one served)
 ROUTING_HEADERS = frozenset(
     {
         b"x-kvroute-worker",
         b"x-gateway-destination-endpoint",
         b"x-gateway-destination-endpoint-subset",
         b"x-gateway-destination-endpoint-served",
+        RANK_HEADER,
     }
 )
 _json = msgspec.json.Decoder()
 
 
 FORWARDED = (b"x-forwarded-for", b"x-forwarded-proto", b"x-forwarded-host")
-RANK_HEADER = b"x-data-parallel-rank"  # vLLM routes a request to this data-parallel rank
 
 
 def with_rank(headers: list[tuple[bytes, bytes]], rank: int | None) -> list[tuple[bytes, bytes]]:
@@ -84,6 +88,9 @@ class Outcome:
     cached_tokens: int | None = None
     bytes_out: int = 0
     broken: str | None = None  # why a response that had started was cut short
+    # a cut body with no in-band end (not an event stream): its last chunk was held back,
+    # and the door closes the client's connection (`CUT_RESPONSE`)
+    cut: bool = False
 
 
 def connection_listed(headers: list[tuple[bytes, bytes]]) -> set[bytes]:
@@ -208,14 +215,16 @@ class Forwarder:
             outcome.status = 502
             outcome.broken = "timeout" if isinstance(exc, TimeoutError) else "worker_failed"
             response.close()
-            if ctype.startswith(b"text/event-stream"):
-                await send(
-                    {
-                        "type": "http.response.body",
-                        "body": _sse_error(outcome.broken, tail),
-                        "more_body": True,
-                    }
-                )
+            if not ctype.startswith(b"text/event-stream"):
+                outcome.cut = True
+                return outcome
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": _sse_error(outcome.broken, tail),
+                    "more_body": True,
+                }
+            )
         await send({"type": "http.response.body", "body": b""})
         outcome.cached_tokens = sniffer.cached_tokens
         return outcome

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from router.access import AccessLog
 from router.asgi import (
     CLIENT_GONE,
+    CUT_RESPONSE,
     Receive,
     Scope,
     Send,
@@ -272,6 +273,8 @@ class ProxyDoor:
             self.pool.note_answered(ticket.worker)
         if result.broken is not None:
             self.metrics.child(self.metrics.stream_errors, ticket.worker, result.broken).inc()
+        if result.cut and (cut := r.scope.get(CUT_RESPONSE)) is not None:
+            cut()
         if self.access is not None:
             self.access.write(r.rin.model, ticket, result, r.started, r.first_byte)
 

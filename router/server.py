@@ -31,7 +31,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from router.asgi import CLIENT_GONE, DRAIN_EXPIRED
+from router.asgi import CLIENT_GONE, CUT_RESPONSE, DRAIN_EXPIRED
 
 log = logging.getLogger("kvroute.serve")
 
@@ -64,6 +64,7 @@ def protocol_with_header_timeout(timeout_s: float) -> type[asyncio.Protocol]:
         def on_headers_complete(self) -> None:
             self._disarm()
             self.scope[CLIENT_GONE] = []  # type: ignore[literal-required]  # the cycle's scope
+            self.scope[CUT_RESPONSE] = self._cut_response  # type: ignore[literal-required]
             super().on_headers_complete()
             if self._last_request and self.cycle is not None:
                 self.cycle.keep_alive = False
@@ -88,6 +89,15 @@ def protocol_with_header_timeout(timeout_s: float) -> type[asyncio.Protocol]:
             super().connection_lost(exc)
             for tell in gone:
                 tell()  # the door cancels the request: the worker's request is aborted
+
+        def _cut_response(self) -> None:
+            """Close the connection before the response's last chunk: a truncated transfer
+            the client can tell from a complete one (uvicorn sends nothing more once its
+            cycle counts the client gone)."""
+            if self.cycle is not None:
+                self.cycle.disconnected = True
+            if not self.transport.is_closing():
+                self.transport.close()
 
         def _arm(self) -> None:
             self._disarm()

@@ -202,6 +202,27 @@ async def test_data_parallel_ranks_are_endpoints_routed_by_header() -> None:
             health = (await client.get("/health")).json()
             ranks = sorted(w.get("data_parallel_rank") for w in health["workers"])
             assert ranks == [0, 1]
+            # a client's own rank header does not steer it: the rank kvroute picked (and
+            # indexes and counts) serves; the repeat finds the prefix there
+            picked = set()
+            for doc in ("epsilon", "zeta", "eta", "theta", "iota", "kappa"):
+                text = f"{doc} {doc}: {DOC}"
+                counts = {w: app.fleet.index.entries_of(w) for w in app.fleet.workers}
+                pinned = await client.post(
+                    "/v1/completions", json=body(text), headers={"x-data-parallel-rank": "1"}
+                )
+                home = pinned.headers["x-kvroute-worker"]
+                picked.add(home)
+                for _ in range(100):
+                    if app.fleet.index.entries_of(home) > counts[home]:
+                        break
+                    await asyncio.sleep(0.02)
+                others = {w: app.fleet.index.entries_of(w) for w in counts if w != home}
+                assert others == {w: counts[w] for w in others}, "served by another rank"
+                again = await client.post("/v1/completions", json=body(text + " again"))
+                assert again.headers["x-kvroute-worker"] == home
+                assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+            assert f"{base}#dp0" in picked  # a pick the client's header contradicted
 
 
 def body(prompt: str) -> dict[str, Any]:

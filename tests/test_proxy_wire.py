@@ -310,3 +310,33 @@ async def test_a_stream_cut_mid_event_gets_its_error_as_an_event_of_its_own() ->
     data = [e.removeprefix("data: ") for e in events if e.strip()]
     assert data[-1] == "[DONE]", data
     assert json.loads(data[-2])["error"]["code"] == 502, data
+
+
+async def test_a_byte_stream_cut_by_its_worker_reaches_the_client_cut() -> None:
+    """A body with no in-band end (vLLM's `encoding_format: "bytes"` embeddings answer): a
+    worker dying mid-body must leave the client a truncated transfer, not a short body
+    ending cleanly as if complete."""
+
+    async def dies(scope: Any, receive: Any, send: Any, body: bytes) -> None:
+        head = [(b"content-type", b"application/octet-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": head})
+        for _ in range(2):
+            await send({"type": "http.response.body", "body": b"\x01" * 1024, "more_body": True})
+            await asyncio.sleep(0.05)
+        raise RuntimeError("the worker dies mid-body")  # uvicorn drops the connection
+
+    async with (
+        fleet() as (_, url, worker),
+        httpx.AsyncClient(base_url=url, timeout=10) as client,
+    ):
+        worker.handlers["/v1/embeddings"] = dies
+        got = b""
+        with pytest.raises(httpx.RemoteProtocolError):
+            payload = {"model": "m", "input": "hi", "encoding_format": "bytes"}
+            async with client.stream("POST", "/v1/embeddings", json=payload) as resp:
+                assert resp.status_code == 200
+                async for chunk in resp.aiter_raw():
+                    got += chunk
+        assert got == b"\x01" * 2048  # what came before the cut, relayed
+        # the router goes on serving
+        assert (await client.get("/health")).status_code == 200

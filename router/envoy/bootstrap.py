@@ -54,7 +54,14 @@ STATS = "envoy_stats"
 STATS_PATH = "/stats/prometheus"
 DEST = "x-gateway-destination-endpoint"
 SERVED = "x-gateway-destination-endpoint-served"
-CLIENT_ROUTING_HEADERS = (DEST, "x-gateway-destination-endpoint-subset", SERVED)
+# the client's own: the picker sets the destination and, for a data-parallel rank, its
+# header; a client's rank header left in place would pick another rank than the decision
+CLIENT_ROUTING_HEADERS = (
+    DEST,
+    "x-gateway-destination-endpoint-subset",
+    SERVED,
+    "x-data-parallel-rank",
+)
 PICKER_HEALTH_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 # Envoy's response code details for its own 413, a request body over the buffer limit
 ENVOY_BODY_TOO_LARGE = "request_payload_too_large"
