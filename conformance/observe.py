@@ -43,6 +43,16 @@ class _TrackedIngest(WorkerIngest):
         self.replay_in_flight = False
         super().finish_replay(frames)
 
+    def on_connected(self) -> ReplayRequest | None:
+        request = super().on_connected()
+        if request is not None:
+            self.replay_in_flight = True
+        return request
+
+    def finish_connect_replay(self, frames: Sequence[tuple[int, bytes]] | None) -> None:
+        self.replay_in_flight = False
+        super().finish_connect_replay(frames)
+
 
 class SyncTimeout(TimeoutError):
     """The index did not reach the expected state in time (events lost or never sent)."""

@@ -166,6 +166,27 @@ class WorkerIngest:
         self._held = None
         self.tracker.reconnected()
 
+    def on_connected(self) -> ReplayRequest | None:
+        """The subscription connected: fetch what the engine's replay buffer holds past
+        what is applied (from 0 on a first connect). A restarted router, or one back from
+        a blip, would otherwise wait for the engine's next live batch to notice what it
+        missed, and an engine serving only cached prompts publishes none: its index would
+        stay empty (or stale) and its health read "no events"."""
+        if not self.has_replay or self._pending or self._held is not None:
+            return None
+        self.counters.replays += 1
+        return ReplayRequest(self.worker, self.tracker.expected)
+
+    def finish_connect_replay(self, frames: Sequence[tuple[int, bytes]] | None) -> None:
+        """Apply the replay `on_connected` asked for (None: it failed or timed out)."""
+        if frames is None:
+            self.counters.replay_failures += 1
+            return
+        for seq, payload in frames:
+            self._ordered(seq, payload, "the replay buffer no longer holds the missed batches")
+        if frames and self.tracker.last_applied is not None:
+            self.tracker.replayed_on_connect(self.tracker.last_applied)
+
     def malformed_frame(self, detail: str) -> None:
         """The transport received a message that is not (topic, seq, payload)."""
         self._malformed(None, "frame", detail)

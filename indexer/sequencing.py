@@ -39,6 +39,7 @@ class SeqTracker:
         self.last_applied: int | None = None
         self._last_live: int | None = None
         self._fresh = True  # no live batch seen on this connection yet
+        self._replayed: int | None = None  # what the replay on this connection applied
 
     def reconnected(self) -> None:
         """A fresh subscription: its first batch may follow a gap (ZMQ slow joiner), and a
@@ -47,11 +48,13 @@ class SeqTracker:
         from before the reconnect (a network blip during a replay), and numbers above it are
         such copies, not a new process; a new process numbers from 0 again."""
         self._fresh = True
+        self._replayed = None
 
     def restart(self) -> None:
         """Forget everything: the engine process is new and numbers from 0 again."""
         self.last_applied = None
         self._last_live = None
+        self._replayed = None
 
     @property
     def expected(self) -> int:
@@ -63,6 +66,8 @@ class SeqTracker:
             verdict = Verdict.APPLY if seq == 0 else Verdict.CATCH_UP
         elif seq >= self.expected:
             verdict = Verdict.APPLY if seq == self.expected else Verdict.GAP
+        elif self._replayed is not None and seq <= self._replayed:
+            verdict = Verdict.DUPLICATE  # the replay on connect applied it first
         elif self._last_live is not None and seq > self._last_live:
             verdict = Verdict.DUPLICATE
         elif fresh:
@@ -86,6 +91,12 @@ class SeqTracker:
 
     def applied(self, seq: int) -> None:
         self.last_applied = seq
+
+    def replayed_on_connect(self, last: int) -> None:
+        """A replay fetched as this subscription connected applied up to `last`: live
+        batches up to there on this connection, queued meanwhile, are copies of its batches.
+        A later connection forgets it: its numbers may be a new process's."""
+        self._replayed = last
 
     def skip_to(self, seq: int) -> None:
         """Accept that everything before `seq` is lost (after a resync)."""

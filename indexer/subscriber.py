@@ -162,6 +162,8 @@ class EventSubscriber:
         ingest.has_replay = self._replay is not None
         self._on_batch = on_batch
         self._backoff = restart_backoff_s
+        # live batches and the replay fetched on connect reach the ingest one at a time
+        self._serial = asyncio.Lock()
 
     async def run(self) -> None:
         """Runs until cancelled (or until its ZMQ context is terminated). A failure of the
@@ -231,7 +233,14 @@ class EventSubscriber:
             if event["event"] == zmq.EVENT_CONNECTED:
                 self.status.connected = True
                 self.status.connects += 1
-                self.ingest.reconnected()
+                async with self._serial:
+                    self.ingest.reconnected()
+                    request = self.ingest.on_connected()
+                    if request is not None:
+                        frames = await self._fetch(request)
+                        self.ingest.finish_connect_replay(frames)
+                if request is not None and self._on_batch is not None:
+                    self._on_batch()
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self.status.connected = False
                 log.warning(
@@ -250,22 +259,22 @@ class EventSubscriber:
             self.status.bad_frames += 1
             self.ingest.malformed_frame(str(exc))
             return
-        request = self.ingest.on_live(seq, frames[2])
-        if request is not None:
-            await self._replay_gap(request)
+        async with self._serial:  # a replay on connect applies its batches first
+            request = self.ingest.on_live(seq, frames[2])
+            if request is not None:
+                self.ingest.finish_replay(await self._fetch(request))
         if self._on_batch is not None:
             self._on_batch()
 
-    async def _replay_gap(self, request: ReplayRequest) -> None:
+    async def _fetch(self, request: ReplayRequest) -> list[tuple[int, bytes]] | None:
         assert self._replay is not None  # the ingest asks only when it has one
         try:
-            frames = await self._replay.fetch(request.start_seq)
+            return await self._replay.fetch(request.start_seq)
         except (zmq.ZMQError, ValueError) as exc:
             log.warning(
                 "worker %s: replay from %d failed: %s", request.worker, request.start_seq, exc
             )
-            frames = None
-        self.ingest.finish_replay(frames)
+            return None
 
 
 async def _cancel(tasks: list[asyncio.Task[None]]) -> None:

@@ -189,6 +189,45 @@ def test_restart_after_reconnect(setup: tuple[PrefixIndex, WorkerIngest, FakeClo
     assert holds(index, 7) and holds(index, 8) and not holds(index, 1)
 
 
+def test_a_connect_fetches_the_replay_buffer_and_live_copies_are_not_a_restart(
+    setup: tuple[PrefixIndex, WorkerIngest, FakeClock],
+) -> None:
+    """A router started beside a warm engine: the connection fetches the buffer at once
+    (an engine serving only cached prompts publishes nothing live to reveal a gap), and
+    live batches queued meanwhile, numbered within it, are copies of what it applied."""
+    index, ingest, _ = setup
+    ingest.has_replay = True
+    ingest.reconnected()
+    assert ingest.on_connected() == ReplayRequest("w", 0)
+    ingest.finish_connect_replay([(s, block(s + 1)) for s in range(3, 6)])  # buffer from 3
+    assert all(holds(index, i) for i in (4, 5, 6))
+    for seq in (4, 5):  # published as the subscription took hold: copies
+        assert ingest.on_live(seq, block(seq + 1)) is None
+    assert ingest.on_live(6, block(7)) is None and holds(index, 7)
+    c = ingest.counters
+    assert (c.restarts, c.duplicates, c.gaps, c.resyncs) == (0, 2, 0, 0)
+    # the engine restarts: the next connection's replay finds nothing past 6, and its
+    # first live batch, numbered from 0 again, is the new process's
+    ingest.reconnected()
+    assert ingest.on_connected() == ReplayRequest("w", 7)
+    ingest.finish_connect_replay([])
+    ingest.on_live(0, block(30))
+    assert ingest.counters.restarts == 1 and holds(index, 30) and not holds(index, 4)
+
+
+def test_a_connect_without_a_replay_endpoint_or_with_one_failing_fetches_nothing(
+    setup: tuple[PrefixIndex, WorkerIngest, FakeClock],
+) -> None:
+    _, ingest, _ = setup
+    ingest.has_replay = False
+    assert ingest.on_connected() is None
+    ingest.has_replay = True
+    assert ingest.on_connected() == ReplayRequest("w", 0)
+    ingest.finish_connect_replay(None)
+    assert ingest.counters.replay_failures == 1
+    assert ingest.on_live(2, block(3)) == ReplayRequest("w", 0)  # the first live one asks
+
+
 def test_a_reconnect_during_a_replay_is_not_a_restart(
     setup: tuple[PrefixIndex, WorkerIngest, FakeClock],
 ) -> None:

@@ -1,7 +1,8 @@
-"""Check 3: replay and restart. A subscriber that starts late, and one whose stream loses
-batches (a relay drops some), both recover through the engine's replay socket to the same
-index as one that saw everything; an engine restart (sequence back to 0, cache empty)
-clears the worker's index in all three."""
+"""Check 3: replay and restart. A subscriber that starts late, one whose stream loses
+batches (a relay drops some), and one that starts after the last batch (no live batch ever
+reaches it: the replay it fetches on connect must) all recover through the engine's replay
+socket to the same index as one that saw everything; an engine restart (sequence back to
+0, cache empty) clears the worker's index in all four."""
 
 from __future__ import annotations
 
@@ -135,8 +136,11 @@ async def replay(ctx: Context, f: Findings) -> None:
         prompts = await _traffic(http, engine, "replay-1", 8)
         late = await stack.enter_async_context(_observer(engine))
         prompts += await _traffic(http, engine, "replay-2", 12)
-        await _settled(full, lossy, late)
-        named = {"full": full, "late": late, "lossy": lossy}
+        # subscribed after the last batch: no live one comes to reveal what it missed (a
+        # router restarted beside a warm engine), so the replay on connect must
+        warm = await stack.enter_async_context(_observer(engine))
+        await _settled(full, lossy, late, warm)
+        named = {"full": full, "late": late, "lossy": lossy, "warm": warm}
         f.note("relay_dropped_seqs", relay.dropped)
         f.note("before_restart", {n: o.counter_summary() for n, o in named.items()})
         _same_index(f, named, prompts)
