@@ -47,6 +47,9 @@ class RoutingInput:
     stream: bool = False
     max_tokens: int = 16
     n: int = 1
+    # the engine judges the prompt's length, not the router: an embeddings input may pass
+    # the context length (vLLM chunks or truncates it: --max-embed-len, truncate_prompt_tokens)
+    engine_judges_length: bool = False
 
     @classmethod
     def bodyless(cls, model: str = "") -> RoutingInput:
@@ -136,7 +139,15 @@ def parse_passthrough(path: str, body: bytes) -> RoutingInput:
         return RoutingInput.bodyless()
     if path == "/v1/embeddings" and isinstance(doc.get("input"), (str, list)):
         try:
-            return _completion({"prompt": doc["input"]}, {"model": model})
+            common = {
+                "model": model,
+                "truncate_prompt_tokens": _truncate(doc),
+                "truncation_side": _side(doc),
+                "add_special_tokens": _flag(doc, "add_special_tokens", True),
+                "output_reserved": False,  # -1 keeps the whole context: no output
+                "engine_judges_length": True,
+            }
+            return _completion({"prompt": doc["input"]}, common)
         except BadRequest:
             pass
     return RoutingInput.bodyless(model)

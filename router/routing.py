@@ -131,9 +131,14 @@ class DecisionService:
         limit = self.fleet.max_model_len(rin.model)
         keep = rin.keep_tokens(limit)
         if limit is not None and keep is None:  # vLLM checks the length after truncating
-            self._precheck_length(rin, base, limit)
+            try:
+                self._precheck_length(rin, base, limit)
+            except BadRequest:
+                if not rin.engine_judges_length:
+                    raise
+                rin = RoutingInput.bodyless(rin.model)  # too long to tokenize: model and load
         tokens = await self.tokens(rin, base, keep)
-        if limit is not None and len(tokens) > limit:
+        if limit is not None and len(tokens) > limit and not rin.engine_judges_length:
             raise _too_long(limit, len(tokens), "")
         req = RouteRequest(
             model=rin.model,

@@ -192,6 +192,22 @@ async def test_whole_answers_timing_out_on_an_engine_that_generates_nothing_ejec
         assert health["unhealthy_workers"] == [s.name(0)], health
 
 
+async def test_an_embeddings_input_past_the_context_goes_to_the_engine_to_judge() -> None:
+    """vLLM embeds inputs past max_model_len (chunked, --max-embed-len) or cuts them
+    (truncate_prompt_tokens): the router must not refuse them with a completion's rule."""
+    async with router(1) as s:
+        long = " ".join(["word"] * 12_000)
+        for extra in ({}, {"truncate_prompt_tokens": 100}):
+            resp = await s.client.post(
+                "/v1/embeddings", json={"model": "kvroute-sim", "input": long, **extra}
+            )
+            assert resp.headers.get("x-kvroute-worker") == s.name(0), resp.text
+            assert "maximum context length" not in resp.text
+        # a completion that long is still the router's to refuse, before any worker
+        resp = await s.client.post("/v1/completions", json=body(long))
+        assert resp.status_code == 400 and "x-kvroute-worker" not in resp.headers
+
+
 async def test_a_retry_is_decided_again_when_the_load_bound_left_no_runner_up() -> None:
     """The worker holding a long stream is over the load bound, so the first decision ranks
     only the other one; that one is dead (not yet ejected): the retry must still find a worker."""
