@@ -93,6 +93,19 @@ class Outcome:
     cut: bool = False
 
 
+def relative_location(value: bytes, origin: bytes) -> bytes:
+    """A redirect the worker points at itself (vLLM's trailing-slash 307 names the host it
+    was asked as: the worker's address) goes back to the client as a path on the router:
+    an absolute one would send the client past the router, and name an internal address."""
+    for scheme in (b"http://", b"https://"):
+        prefix = scheme + origin
+        if origin and value.lower().startswith(prefix.lower()):
+            rest = value[len(prefix) :]
+            if not rest or rest[:1] in (b"/", b"?", b"#"):
+                return rest if rest[:1] == b"/" else b"/" + rest
+    return value
+
+
 def connection_listed(headers: list[tuple[bytes, bytes]]) -> set[bytes]:
     """Header names a `Connection` header declares hop-by-hop (RFC 9110 7.6.1)."""
     out: set[bytes] = set()
@@ -168,7 +181,8 @@ class Forwarder:
         except TimeoutError:
             raise WorkerTimedOut(worker, "no response head in time") from None
         try:
-            outcome = await self._relay(worker, response, send, request_id, on_first_byte)
+            origin = b"%s:%d" % (host.encode(), port)
+            outcome = await self._relay(worker, response, send, request_id, on_first_byte, origin)
         except BaseException:
             response.close()
             raise
@@ -181,10 +195,11 @@ class Forwarder:
         send: Send,
         request_id: bytes,
         on_first_byte: Callable[[], None],
+        origin: bytes = b"",
     ) -> Outcome:
         listed = connection_listed(response.headers)
         headers = [
-            (k, v)
+            (k, relative_location(v, origin) if k == b"location" else v)
             for k, v in response.headers
             if k not in HOP_BY_HOP and k not in listed and k != b"x-request-id"
         ]

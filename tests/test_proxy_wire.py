@@ -340,3 +340,36 @@ async def test_a_byte_stream_cut_by_its_worker_reaches_the_client_cut() -> None:
         assert got == b"\x01" * 2048  # what came before the cut, relayed
         # the router goes on serving
         assert (await client.get("/health")).status_code == 200
+
+
+async def test_a_redirect_the_worker_points_at_itself_comes_back_as_a_path() -> None:
+    """vLLM answers `POST /v1/completions/` with a 307 to its own absolute address: passed
+    through, it names an internal address and sends the client past the router."""
+
+    async def redirects(scope: Any, receive: Any, send: Any, body: bytes) -> None:
+        host, port = scope["server"]
+        elsewhere = scope["path"].endswith("/away")
+        target = (
+            b"https://example.com/x"
+            if elsewhere
+            else b"http://%s:%d/v1/completions?a=1"
+            % (
+                host.encode(),
+                port,
+            )
+        )
+        head = [(b"location", target), (b"content-length", b"0")]
+        await send({"type": "http.response.start", "status": 307, "headers": head})
+        await send({"type": "http.response.body", "body": b""})
+
+    async with (
+        fleet() as (_, url, worker),
+        httpx.AsyncClient(base_url=url, timeout=10) as client,
+    ):
+        worker.handlers["/v1/completions/"] = redirects
+        worker.handlers["/v1/away"] = redirects
+        resp = await client.post("/v1/completions/", json={"model": "m", "prompt": "hi"})
+        assert resp.status_code == 307
+        assert resp.headers["location"] == "/v1/completions?a=1"
+        resp = await client.post("/v1/away", json={"model": "m"})
+        assert resp.headers["location"] == "https://example.com/x"  # not the worker's: kept
