@@ -5,7 +5,7 @@ GET  /health          the detailed report: 503 only when routing is broken or si
 GET  /ready           200 once an endpoint can take traffic (a replica: and its peers heard)
 GET  /live            200 while the process runs (never depends on the workers)
 GET  /metrics         Prometheus
-GET  /v1/models       the union of the workers' models
+GET  /v1/models       the union of the workers' models (their --api-key asked, if any)
 GET|POST /admin/workers                 the worker list (POST replaces it)
 POST /admin/workers/NAME/drain|undrain  take a worker out of rotation (in-flight requests
                                         finish) before a rolling update, and back
@@ -21,6 +21,7 @@ process routes alike. A process that cannot take it is named in a 502 (retry the
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 from typing import TYPE_CHECKING, Any
@@ -100,6 +101,10 @@ class Control:
         elif path == "/metrics":
             await send_bytes(send, 200, self.metrics.render(), b"text/plain; version=0.0.4")
         elif path == "/v1/models":
+            if not self._api_key_ok(scope):
+                # vLLM's own answer (--api-key guards /v1/*): the list is the workers'
+                await send_json(send, 401, {"error": "Unauthorized"})
+                return
             await send_json(send, 200, self.svc.models_doc())
         elif path == "/admin/workers":
             self._authorize(scope)
@@ -114,6 +119,19 @@ class Control:
             self._authorize(scope)
             body = await read_body(receive, self.config.max_body_bytes) if method == "POST" else b""
             await send_json(send, 200, await self.debug_route(scope, body))
+
+    def _api_key_ok(self, scope: Scope) -> bool:
+        """Where workers run with vLLM's --api-key, the router's own /v1/models asks for
+        one of their keys as they would; without keys it is open, as they are."""
+        keys = {h.api_key for h in self.pool.handles.values() if h.api_key}
+        if not keys:
+            return True
+        scheme, _, given = (header(scope, b"authorization") or b"").partition(b" ")
+        if scheme.lower() != b"bearer":
+            return False
+        digest = hashlib.sha256(given).digest()
+        wanted = (hashlib.sha256(k.encode()).digest() for k in keys)
+        return any([hmac.compare_digest(digest, w) for w in wanted])
 
     def _authorize(self, scope: Scope) -> None:
         token = self.config.admin_token

@@ -122,6 +122,17 @@ async def test_every_check_passes_on_a_healthy_fleet(capsys: pytest.CaptureFixtu
     assert any(c.get("worker") == s.name(1) for c in doc["checks"])
 
 
+async def test_a_fleet_behind_an_api_key_passes_with_the_key_and_only_with_it() -> None:
+    """Workers started with vLLM's --api-key: router-check sends the key (--api-key) on its
+    calls to them and to the router's /v1/models and traffic, never to /admin."""
+    keyed = [BASE.replace(api_key="s3cret", port=0) for _ in range(2)]
+    async with fleet_and_router(configs=keyed, worker_api_key="s3cret") as s:
+        report = await check(s.url, api_key="s3cret")
+        assert all(r.status is Status.PASS for r in report.results), human(report)
+        without = await check(s.url)
+        assert not without.ok
+
+
 # ---- planted faults -------------------------------------------------------------------------
 
 

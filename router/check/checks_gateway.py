@@ -10,7 +10,7 @@ picked) and `x-gateway-destination-endpoint-served` (set by the gateway: where i
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -47,6 +47,7 @@ class GatewayOptions:
     timeout_s: float = 10.0
     pairs: int = 3
     prompt_words: int = 900
+    api_key: str | None = field(default=None, repr=False)  # the workers' --api-key
 
 
 @dataclass
@@ -221,7 +222,8 @@ GATEWAY_NAMES = tuple(name for name, _ in GATEWAY_CHECKS)
 
 async def run_gateway_checks(opts: GatewayOptions, skip: frozenset[str] = frozenset()) -> Report:
     report = Report(opts.gateway)
-    async with httpx.AsyncClient() as http:
+    key = {"authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
+    async with httpx.AsyncClient(headers=key) as http:
         ctx = GatewayContext(opts, http)
         for name, check in GATEWAY_CHECKS:
             if name in skip:

@@ -93,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the router's admin token, for /admin and /debug (env KVROUTE_ADMIN_TOKEN)",
     )
     p.add_argument(
+        "--api-key",
+        default=os.environ.get("KVROUTE_WORKER_API_KEY"),
+        metavar="KEY",
+        help="the workers' vLLM --api-key, sent on every call but /admin and /debug (the "
+        "workers, and the router's /v1/models, ask for it; env KVROUTE_WORKER_API_KEY)",
+    )
+    p.add_argument(
         "--margin",
         type=float,
         default=1.5,
@@ -132,6 +139,7 @@ def options(args: argparse.Namespace) -> Options:
         timeout_s=args.timeout,
         skip=frozenset(skip),
         admin_token=args.admin_token or None,
+        api_key=args.api_key or None,
         margin=args.margin,
         pairs=args.pairs,
         burst=args.burst,
@@ -171,7 +179,9 @@ async def run_all(opts: Options) -> Report:
 
 def _gateway_options(opts: Options) -> GatewayOptions:
     assert opts.gateway is not None
-    return GatewayOptions(opts.gateway, opts.gateway_admin, opts.timeout_s, opts.pairs)
+    return GatewayOptions(
+        opts.gateway, opts.gateway_admin, opts.timeout_s, opts.pairs, api_key=opts.api_key
+    )
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ class Options:
     timeout_s: float = 10.0
     skip: frozenset[str] = frozenset()
     admin_token: str | None = None
+    api_key: str | None = field(default=None, repr=False)  # the workers' --api-key
     margin: float = 1.5
     pairs: int = 3
     burst: int = 8
@@ -43,6 +44,10 @@ class Options:
     worker_header: str = WORKER_HEADER
     gateway: str | None = None
     gateway_admin: str | None = None
+
+    def api_headers(self) -> dict[str, str]:
+        """What every call but /admin and /debug sends: the workers' key, if they have one."""
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def validate(self) -> Options:
         _need(bool(self.router or self.gateway), "give --router URL, --gateway URL, or both")

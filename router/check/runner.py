@@ -107,7 +107,7 @@ async def run_checks(opts: Options) -> Report:
         raise UsageError("give --router URL: its checks read the router")
     zmq_ctx = zmq.asyncio.Context()
     try:
-        async with httpx.AsyncClient(follow_redirects=True) as http:
+        async with httpx.AsyncClient(follow_redirects=True, headers=opts.api_headers()) as http:
             return await _run(Context(opts, http, zmq_ctx))
     finally:
         zmq_ctx.destroy(linger=0)
