@@ -66,7 +66,8 @@ class SeqTracker:
             verdict = Verdict.APPLY if seq == 0 else Verdict.CATCH_UP
         elif seq >= self.expected:
             verdict = Verdict.APPLY if seq == self.expected else Verdict.GAP
-        elif self._replayed is not None and seq <= self._replayed:
+            self._replayed = None  # the live stream passed what the replay applied
+        elif self._copy_of_replayed(seq):
             verdict = Verdict.DUPLICATE  # the replay on connect applied it first
         elif self._last_live is not None and seq > self._last_live:
             verdict = Verdict.DUPLICATE
@@ -94,9 +95,17 @@ class SeqTracker:
 
     def replayed_on_connect(self, last: int) -> None:
         """A replay fetched as this subscription connected applied up to `last`: live
-        batches up to there on this connection, queued meanwhile, are copies of its batches.
-        A later connection forgets it: its numbers may be a new process's."""
+        batches up to there on this connection, queued meanwhile, are copies of its batches
+        (`_copy_of_replayed`). A later connection forgets it (its numbers may be a new
+        process's), and so does the first live batch past it."""
         self._replayed = last
+
+    def _copy_of_replayed(self, seq: int) -> bool:
+        """Queued while the replay was served, a copy is one of its last few batches; a
+        number back at the start is not one (an engine restarted behind a relay, whose
+        connection to us never dropped): the restart rules judge it."""
+        assert self.last_applied is not None
+        return self._replayed is not None and self.last_applied // 2 < seq <= self._replayed
 
     def skip_to(self, seq: int) -> None:
         """Accept that everything before `seq` is lost (after a resync)."""

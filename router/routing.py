@@ -129,7 +129,12 @@ class DecisionService:
         self._check_model(rin.model)
         base = self.fleet.base_of(rin.model)
         limit = self.fleet.max_model_len(rin.model)
-        keep = rin.keep_tokens(limit)
+        try:
+            keep = rin.keep_tokens(limit)
+        except BadRequest:  # a cut longer than the context: vLLM's pooling may allow it
+            if not rin.engine_judges_length:
+                raise
+            keep = None
         if limit is not None and keep is None:  # vLLM checks the length after truncating
             try:
                 self._precheck_length(rin, base, limit)

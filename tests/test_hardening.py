@@ -197,7 +197,8 @@ async def test_an_embeddings_input_past_the_context_goes_to_the_engine_to_judge(
     (truncate_prompt_tokens): the router must not refuse them with a completion's rule."""
     async with router(1) as s:
         long = " ".join(["word"] * 12_000)
-        for extra in ({}, {"truncate_prompt_tokens": 100}):
+        # a cut past the context too: vLLM bounds it by --max-embed-len, not max_model_len
+        for extra in ({}, {"truncate_prompt_tokens": 100}, {"truncate_prompt_tokens": 10_000}):
             resp = await s.client.post(
                 "/v1/embeddings", json={"model": "kvroute-sim", "input": long, **extra}
             )

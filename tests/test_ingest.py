@@ -215,6 +215,22 @@ def test_a_connect_fetches_the_replay_buffer_and_live_copies_are_not_a_restart(
     assert ingest.counters.restarts == 1 and holds(index, 30) and not holds(index, 4)
 
 
+def test_a_restart_behind_a_relay_after_a_connect_replay_is_still_a_restart(
+    setup: tuple[PrefixIndex, WorkerIngest, FakeClock],
+) -> None:
+    """A relay keeps the subscriber's connection while the engine behind it restarts: the
+    new process's batches from 0 are no copies of what the connect replay applied."""
+    index, ingest, _ = setup
+    ingest.has_replay = True
+    ingest.reconnected()
+    assert ingest.on_connected() == ReplayRequest("w", 0)
+    ingest.finish_connect_replay([(s, block(s + 1)) for s in range(8)])
+    for seq in range(3):  # the new process, no reconnect seen
+        ingest.on_live(seq, block(50 + seq))
+    assert ingest.counters.restarts == 1
+    assert not holds(index, 1) and all(holds(index, 50 + s) for s in range(3))
+
+
 def test_a_connect_without_a_replay_endpoint_or_with_one_failing_fetches_nothing(
     setup: tuple[PrefixIndex, WorkerIngest, FakeClock],
 ) -> None:
