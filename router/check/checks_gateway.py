@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from router.check.httpio import Fetched, fetch
+from router.check.httpio import Fetched, bearer, fetch
 from router.check.model import Report, Result, Status, failed, passed, warned
 from router.check.prompts import fresh_text
 from router.forward import cached_tokens_of
@@ -222,8 +222,7 @@ GATEWAY_NAMES = tuple(name for name, _ in GATEWAY_CHECKS)
 
 async def run_gateway_checks(opts: GatewayOptions, skip: frozenset[str] = frozenset()) -> Report:
     report = Report(opts.gateway)
-    key = {"authorization": f"Bearer {opts.api_key}"} if opts.api_key else {}
-    async with httpx.AsyncClient(headers=key) as http:
+    async with httpx.AsyncClient(headers=bearer(opts.api_key)) as http:
         ctx = GatewayContext(opts, http)
         for name, check in GATEWAY_CHECKS:
             if name in skip:

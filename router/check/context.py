@@ -15,7 +15,7 @@ import zmq.asyncio
 
 from engines.base import EngineMetrics, EventSource
 from engines.vllm.discovery import event_sources, parse_metrics
-from router.check.httpio import Fetched, fetch
+from router.check.httpio import Fetched, bearer, fetch
 from router.check.zmqprobe import Observation, Reach
 
 WORKER_HEADER = "x-kvroute-worker"
@@ -47,7 +47,7 @@ class Options:
 
     def api_headers(self) -> dict[str, str]:
         """What every call but /admin and /debug sends: the workers' key, if they have one."""
-        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return bearer(self.api_key)
 
     def validate(self) -> Options:
         _need(bool(self.router or self.gateway), "give --router URL, --gateway URL, or both")
@@ -222,8 +222,7 @@ class Context:
         return self.opts.router.rstrip("/")
 
     def admin_headers(self) -> dict[str, str]:
-        token = self.opts.admin_token
-        return {"authorization": f"Bearer {token}"} if token else {}
+        return bearer(self.opts.admin_token)
 
     async def router_call(self, method: str, path: str, body: Any = None) -> Fetched:
         headers = self.admin_headers() if path.startswith(("/admin", "/debug")) else None

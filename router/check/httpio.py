@@ -32,6 +32,12 @@ class Fetched:
         return f"HTTP {self.status}" + (f": {self.text[:160]}" if self.status >= 400 else "")
 
 
+def bearer(token: str | None) -> dict[str, str]:
+    """The Authorization header for `token` (an admin token, the workers' API key); none
+    without one."""
+    return {"authorization": f"Bearer {token}"} if token else {}
+
+
 async def fetch(
     client: httpx.AsyncClient,
     method: str,
