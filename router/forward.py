@@ -195,7 +195,7 @@ class Forwarder:
         send: Send,
         request_id: bytes,
         on_first_byte: Callable[[], None],
-        origin: bytes = b"",
+        origin: bytes,  # the worker's host:port, as its Location headers name it
     ) -> Outcome:
         listed = connection_listed(response.headers)
         headers = [

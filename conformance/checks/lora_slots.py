@@ -127,8 +127,8 @@ async def _hold(
 
 async def _sample(direct: httpx.AsyncClient, samples: list[dict[str, Any]]) -> dict[str, Any]:
     m = parse_metrics((await direct.get("/metrics")).text)
-    sample = {"t": time.monotonic(), "running": m.running, "waiting": m.waiting}
-    samples.append(sample | {"deferred": m.deferred})
+    t = time.monotonic()
+    samples.append({"t": t, "running": m.running, "waiting": m.waiting, "deferred": m.deferred})
     return samples[-1]
 
 
