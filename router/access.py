@@ -20,7 +20,10 @@ class AccessLog:
         result: Outcome,
         started: float,
         first_byte: float | None,
+        prefill: str | None = None,
     ) -> None:
+        """One line per answered request; `prefill`: a split's prefill worker (`worker`
+        decoded it)."""
         now = time.perf_counter()
         s = ticket.decision.score_of(ticket.worker)
         fields = {
@@ -33,6 +36,8 @@ class AccessLog:
             "ttft_ms": round((first_byte - started) * 1e3, 1) if first_byte else None,
             "duration_ms": round((now - started) * 1e3, 1),
         }
+        if prefill is not None:
+            fields["prefill"] = prefill
         if result.broken:
             fields["broken"] = result.broken
         log.info("%s", " ".join(f"{k}={v}" for k, v in fields.items()), extra={"fields": fields})

@@ -101,6 +101,7 @@ class RouterApp:
         )
         self.pd = PDDoor(self.routing, self.upstream, forwarder, config, self.metrics.registry)
         self.proxy.pd = self.pd
+        self.pd.answered = self.proxy.answered
         self.control = Control(self.routing, self.sources, self.metrics, role)
         self.control.pd = self.pd
         self.peers: PlacementLink | None = None

@@ -266,6 +266,14 @@ class ProxyDoor:
 
     def _done(self, ticket: Ticket, r: _Request, result: Outcome) -> None:
         self.svc.finish(ticket, status=result.status, cached_tokens=result.cached_tokens)
+        self.answered(ticket, r, result)
+
+    def answered(
+        self, ticket: Ticket, r: _Request, result: Outcome, prefill: str | None = None
+    ) -> None:
+        """What an answer relayed from `ticket.worker` leaves behind, whichever door sent
+        it (the P/D door's decode legs too): the worker's health, stream errors, a cut
+        body's closed connection, the access log line."""
         if result.broken == "timeout":
             # a worker that sends a stream's head and then hangs is hung all the same
             self.pool.note_timeout(ticket.worker, "no chunk within the timeout")
@@ -276,7 +284,7 @@ class ProxyDoor:
         if result.cut and (cut := r.scope.get(CUT_RESPONSE)) is not None:
             cut()
         if self.access is not None:
-            self.access.write(r.rin.model, ticket, result, r.started, r.first_byte)
+            self.access.write(r.rin.model, ticket, result, r.started, r.first_byte, prefill)
 
     def _worker_failed(self, worker: str, exc: ConnectFailed) -> None:
         self.metrics.child(self.metrics.retries, worker).inc()

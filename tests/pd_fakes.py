@@ -186,10 +186,60 @@ class PDSetup:
 
 
 @asynccontextmanager
-async def pd_router(prefill: Handler, decode: Handler, **config: Any) -> AsyncIterator[PDSetup]:
+async def closing_worker() -> AsyncIterator[str]:
+    """A decode worker whose engine dies with each request: it answers the router's GETs
+    as a FakeWorker does and drops the connection of every POST once it has read it."""
+    page = FakeWorker(prefill_status(500))
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = (await reader.readuntil(b"\r\n\r\n")).decode()
+                method, path, _ = head.split(" ", 2)
+                length = next(
+                    (int(v) for k, _, v in (h.partition(":") for h in head.split("\r\n"))
+                     if k.lower() == "content-length"),
+                    0,
+                )  # fmt: skip
+                await reader.readexactly(length)
+                if method == "POST":
+                    writer.transport.abort()
+                    return
+                if path == "/metrics":
+                    out, ctype = page.metrics().encode(), b"text/plain"
+                elif path == "/v1/models":
+                    out = json.dumps({"data": [{"id": "m", "max_model_len": 100_000}]}).encode()
+                    ctype = b"application/json"
+                else:
+                    out, ctype = b"{}", b"application/json"
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n%s"
+                    % (ctype, len(out), out)
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.close()
+
+
+@asynccontextmanager
+async def pd_router(
+    prefill: Handler, decode: Handler, more_decode: tuple[str, ...] = (), **config: Any
+) -> AsyncIterator[PDSetup]:
+    """A router over a scripted prefill and decode worker (and `more_decode` worker URLs)."""
     p, d = FakeWorker(prefill), FakeWorker(decode)
     async with serve_in_process(p) as p_url, serve_in_process(d) as d_url:
-        workers = (WorkerConfig(p_url, role="prefill"), WorkerConfig(d_url, role="decode"))
+        workers = (
+            WorkerConfig(p_url, role="prefill"),
+            WorkerConfig(d_url, role="decode"),
+            *(WorkerConfig(u, role="decode") for u in more_decode),
+        )
         config = {
             "tokenizer": str(PACKAGED_TOKENIZER),
             "mode": "approx",

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import pytest
 from pd_fakes import (
+    FakeWorker,
+    closing_worker,
     decode_stream,
     decode_waits_for_client,
     good_params,
@@ -20,6 +23,7 @@ from pd_fakes import (
 )
 
 from router.pd.wire import PREFILL_PARAMS
+from router.procs import serve_in_process
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -296,3 +300,98 @@ async def test_requests_that_pass_through_never_go_to_a_prefill_worker() -> None
         for i in range(8):
             r = await s.client.post("/v1/embeddings", json={"model": "m", "input": f"x {i}"})
             assert r.headers["x-kvroute-worker"] == s.names["decode"]
+
+
+async def test_a_request_the_prefill_leg_refuses_is_the_clients_fault_not_the_workers() -> None:
+    """vLLM's 400 on the prefill leg (`temperature: -5`) judges the request: the decode
+    worker's own answer goes to the client (a cause of the leg's alone, such as a shorter
+    context there, loses nothing), and no run of them degrades health."""
+    async with pd_router(prefill_status(400), decode_stream()) as s:
+        for i in range(4):
+            status, text, headers = await sse(s.client, {**CLIENT, "prompt": f"{i} {PROMPT}"})
+            assert status == 200 and "t2" in text
+            assert "cause=prefill_refused" in headers["x-kvroute-pd"]
+        doc = (await s.client.get("/health")).json()
+        assert doc["status"] == "ok" and doc["pd"]["workers"] == []
+        assert await s.metric('kvroute_pd_local_fallbacks_total{cause="prefill_refused"}') == 4
+        assert await s.metric('kvroute_pd_local_fallbacks_total{cause="prefill_failed"}') == 0
+
+
+async def test_a_decode_worker_removed_while_the_prefill_side_is_decided_loses_nothing() -> None:
+    async with pd_router(prefill_ok(), decode_stream()) as s:
+        d2 = FakeWorker(decode_stream())
+        async with serve_in_process(d2) as d2_url:
+            s.app.routing.placement_wait = lambda: 0.5  # what --peers sets: a window
+            t = asyncio.create_task(sse(s.client, CLIENT))
+            await asyncio.sleep(0.75)  # the decode side was decided, the prefill side waits
+            workers = [
+                {"url": "http://" + s.names["prefill"], "role": "prefill"},
+                {"url": d2_url, "role": "decode"},
+            ]
+            assert (await s.client.post("/admin/workers", json={"workers": workers})).is_success
+            status, text, headers = await t
+            assert status == 200 and "t2" in text
+            assert headers["x-kvroute-pd"] == (
+                f"local reason=decode_fallback cause=decode_removed decode={s.names['decode']}"
+            )
+            assert len(d2.seen) == 1 and not s.decode.seen
+
+
+async def test_a_removed_decode_worker_no_longer_degrades_health() -> None:
+    async with pd_router(prefill_ok(), decode_stream(pull=False)) as s:
+        assert (await sse(s.client, CLIENT))[0] == 200
+        for _ in range(100):
+            doc = (await s.client.get("/health")).json()
+            if doc["pd"]["workers"]:
+                break
+            await asyncio.sleep(0.05)
+        assert doc["pd"]["workers"] == [s.names["decode"]]  # a silent recompute
+        d2 = FakeWorker(decode_stream())
+        async with serve_in_process(d2) as d2_url:
+            workers = [
+                {"url": "http://" + s.names["prefill"], "role": "prefill"},
+                {"url": d2_url, "role": "decode"},
+            ]
+            assert (await s.client.post("/admin/workers", json={"workers": workers})).is_success
+            doc = (await s.client.get("/health")).json()
+            assert doc["pd"]["status"] == "ok" and doc["pd"]["workers"] == []
+            assert doc["pd"]["silent_recomputes"] == 1  # its totals stay counted
+            assert (await sse(s.client, {**CLIENT, "prompt": f"x {PROMPT}"}))[0] == 200
+            for _ in range(100):  # the next sweep forgets the removed worker's ledger
+                if s.names["decode"] not in s.app.pd.verifier.ledgers:
+                    break
+                await asyncio.sleep(0.05)
+            assert s.names["decode"] not in s.app.pd.verifier.accounts
+            assert (await s.client.get("/health")).json()["pd"]["silent_recomputes"] == 1
+
+
+async def test_a_split_writes_its_access_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kvroute.access")
+    async with pd_router(prefill_ok(), decode_stream(), access_log=True) as s:
+        status, _, headers = await sse(s.client, CLIENT)
+        assert status == 200 and headers["x-kvroute-pd"].startswith("split")
+        (line,) = [r for r in caplog.records if r.name == "kvroute.access"]
+        fields = line.fields  # type: ignore[attr-defined]
+        assert fields["worker"] == s.names["decode"] and fields["prefill"] == s.names["prefill"]
+        assert fields["status"] == 200 and fields["ttft_ms"] is not None
+
+
+async def test_a_decode_worker_dropping_the_connection_is_served_elsewhere() -> None:
+    """The engine died with the decode leg (it aborts a request whose connection closed):
+    like the proxy's way, the worker is ejected and the request served by another, not a
+    504 "did not answer in time"."""
+    async with (
+        closing_worker() as dead,
+        pd_router(prefill_ok(), decode_stream(), more_decode=(dead,)) as s,
+    ):
+        name = dead.split("//")[1]
+        for i in range(10):
+            status, text, headers = await sse(s.client, {**CLIENT, "prompt": f"{i} {PROMPT}"})
+            assert status == 200 and "t2" in text
+            if headers["x-kvroute-pd"].startswith("local reason=decode_fallback"):
+                assert headers["x-kvroute-pd"].endswith(f"cause=decode_closed decode={name}")
+                break
+        else:
+            pytest.fail("no split went to the dying decode worker")
+        assert not s.app.pool.handles[name].available
+        assert await s.metric('kvroute_pd_decode_errors_total{cause="closed"') == 1

@@ -24,7 +24,7 @@ from router.asgi import CANCELLED_OUTCOMES, Send
 from router.core.config import Config, pd_threshold
 from router.core.decision import Constraints, Decision, WorkerScore
 from router.core.errors import BadRequest, NoWorkerAvailable, UpstreamError, UpstreamTimeout
-from router.forward import ConnectFailed, Forwarder, Outcome
+from router.forward import ConnectFailed, Forwarder, Outcome, WorkerTimedOut
 from router.openai_req import RoutingInput
 from router.pd import model as m
 from router.pd.calibrate import PROBE_FIX, Calibration
@@ -56,6 +56,9 @@ PREFILL_FAILURES_DEGRADE = 3
 SWEEP_S = 5.0
 
 Local = Callable[[Any, Send], Awaitable[None]]
+# the proxy's bookkeeping of an answer relayed from a worker: (ticket, request, outcome,
+# the prefill worker of a split)
+Answered = Callable[[Ticket, Any, Outcome, "str | None"], None]
 
 
 def cached_tokens(score: WorkerScore, prompt_tokens: int) -> int:
@@ -89,6 +92,9 @@ class PDDoor:
         self.verifier.decode_workers = self._decode_endpoints
         # prefill worker -> (legs failed in a row there, the last failure)
         self._prefill_failures: dict[str, tuple[int, str]] = {}
+        # the proxy's bookkeeping of each answer (router.proxy.Proxy.answered), set where
+        # the door is attached: access log, worker health and stream errors of decode legs
+        self.answered: Answered | None = None
         self.calibration = Calibration(self.pool, self.model)
         self._tasks: list[asyncio.Task[None]] = []
         if config.pd_fault_strip_params:
@@ -216,6 +222,11 @@ class PDDoor:
         doc: dict[str, Any],
     ) -> None:
         assert plan.prefill is not None
+        if plan.decode not in self.svc.fleet.workers:
+            # removed while the prefill side was decided: the proxy's way decides again
+            self.metrics.fallbacks.labels("decode_removed").inc()
+            await local(r, tagged(send, plan, fallback="decode_removed"))
+            return
         # the decode worker's load is counted from the decision, not from the decode leg:
         # concurrent splits must see each other there (busy bounds, shedding, the load
         # score), or a burst of them all lands on one decode worker during their prefills
@@ -230,7 +241,7 @@ class PDDoor:
             await self._local(r, tagged(send, plan, fallback=answer), local, plan, learn=False)
             return
         self.metrics.prefill_leg.observe(answer.seconds)
-        await self._decode(r, tagged(send, plan), local, plan, answer.params, ticket)
+        await self._decode(r, send, local, plan, answer.params, ticket)
 
     async def _prefill(
         self, r: ClientRequest, plan: m.Plan, pdec: Decision, doc: dict[str, Any]
@@ -266,6 +277,11 @@ class PDDoor:
         return answer
 
     def _prefill_failed(self, worker: str, ticket: Ticket, exc: LegFailed) -> None:
+        if exc.cause == "prefill_refused":  # the request's fault: no word against the worker
+            log.debug("prefill leg on %s refused the request (%s)", worker, exc.detail)
+            self.svc.finish(ticket, status=exc.status)
+            self.metrics.fallbacks.labels(exc.cause).inc()
+            return
         log.warning(
             "prefill leg on %s failed (%s): prefilling on the decode worker", worker, exc.detail
         )
@@ -302,7 +318,7 @@ class PDDoor:
             # will pull that KV; the proxy's way decides again among the workers left
             self.metrics.orphans.labels(plan.prefill or "?", "decode_removed").inc()
             self.metrics.fallbacks.labels("decode_removed").inc()
-            await local(r, send)
+            await local(r, tagged(send, plan, fallback="decode_removed"))
             return
         body = r.body if self.config.pd_fault_strip_params else decode_body(r.body, params)
         timeouts = decode_timeouts(
@@ -318,7 +334,15 @@ class PDDoor:
         proved: int | None = None
         try:
             result = await decode_leg(
-                self.forwarder, h, worker, r, body, state.rank, send, timeouts, first_byte
+                self.forwarder,
+                h,
+                worker,
+                r,
+                body,
+                state.rank,
+                tagged(send, plan),
+                timeouts,
+                first_byte,
             )
             proved = self._decoded(r, plan, ticket, result, sent)
         except ConnectFailed as exc:
@@ -345,7 +369,10 @@ class PDDoor:
     ) -> int | None:
         """The decode leg answered; what its pull should prove (None: nothing)."""
         self.svc.finish(ticket, status=result.status)  # its cached_tokens are the prefill's
-        self.pool.note_answered(plan.decode)
+        if self.answered is not None:
+            self.answered(ticket, r, result, plan.prefill)
+        elif result.broken is None:
+            self.pool.note_answered(plan.decode)
         if result.status != 200 or result.broken is not None:
             cause = result.broken or f"http_{result.status}"
             self.metrics.decode_errors.labels(plan.decode, cause).inc()
@@ -375,19 +402,24 @@ class PDDoor:
         ticket: Ticket,
         exc: ConnectFailed,
     ) -> None:
-        """Nothing reached the client. A decode worker that may hold the request (it timed
-        out, or closed after taking it) may be pulling: one error. One that never took it:
-        prefill there locally instead, by the proxy's way (which tries the next worker)."""
-        self.svc.finish(ticket, status=0, outcome="connect_failed")
+        """Nothing reached the client. A decode worker that timed out may still hold the
+        request and be pulling: one error. One that never took it, or dropped the
+        connection (the engine aborts a request whose connection closed): served the
+        proxy's way instead, as the proxy serves a worker that fails so."""
+        timed_out = isinstance(exc, WorkerTimedOut)
+        self.svc.finish(ticket, status=0, outcome="timeout" if timed_out else "connect_failed")
         self.metrics.orphans.labels(plan.prefill or "?", "decode_failed").inc()
-        if reached_worker(exc):
+        if timed_out:
             self.metrics.decode_errors.labels(plan.decode, "timeout").inc()
             raise UpstreamTimeout(
                 "the decode worker did not answer in time", detail=f"{plan.decode}: {exc.detail}"
             )
+        cause = "decode_closed" if reached_worker(exc) else "decode_unreachable"
+        if cause == "decode_closed":
+            self.metrics.decode_errors.labels(plan.decode, "closed").inc()
         self.pool.eject(plan.decode, f"decode leg: {exc.detail}")
-        self.metrics.fallbacks.labels("decode_unreachable").inc()
-        await local(r, send)
+        self.metrics.fallbacks.labels(cause).inc()
+        await local(r, tagged(send, plan, fallback=cause))
 
     def _decode_gone(self, r: ClientRequest, plan: m.Plan, ticket: Ticket, outcome: str) -> None:
         cancelled = outcome in CANCELLED_OUTCOMES
@@ -424,8 +456,10 @@ class PDDoor:
         """Prefill workers whose last legs all failed: each of their splits is prefilled
         twice (there, then on the decode worker), which only this shows."""
         out: dict[str, tuple[str, str]] = {}
+        for gone in self._prefill_failures.keys() - self.svc.fleet.workers.keys():
+            del self._prefill_failures[gone]  # removed: a worker added back starts afresh
         for worker, (count, last) in self._prefill_failures.items():
-            if count >= PREFILL_FAILURES_DEGRADE and worker in self.svc.fleet.workers:
+            if count >= PREFILL_FAILURES_DEGRADE:
                 text = (
                     f"prefill worker {worker}: its last {count} prefill legs failed (last: "
                     f"{last}); those requests were prefilled again on their decode worker"

@@ -31,6 +31,10 @@ log = logging.getLogger("kvroute.pd")
 HANDSHAKE_S = 10.0  # a decode leg's first pull from an engine handshakes (vLLM: up to 5 s)
 PULL_SLACK = 4.0  # times the predicted transfer a decode leg may take beyond its prefill
 UNKNOWN_MS_PER_TOKEN = 1.0  # transfer time assumed while the link is unknown (~1 GbE, 88 KB)
+# a prefill leg's statuses that judge the request, not the worker: the request is still
+# sent the proxy's way (a leg-only cause, such as a prefill worker's shorter context,
+# must not lose it), without counting against the prefill worker
+REQUEST_REFUSED = frozenset({400, 413, 422})
 
 
 class ClientRequest(Protocol):
@@ -98,6 +102,12 @@ async def prefill_leg(
         raise LegFailed("prefill_failed", f"closed: {exc}") from None
     except TimeoutError:
         raise LegFailed("prefill_timeout", "no answer in time") from None
+    if resp.status in REQUEST_REFUSED:
+        # the engine judged the request itself (vLLM's 400 for `temperature: -5`): no fault
+        # of the prefill worker's, and the decode worker's answer is the client's
+        raise LegFailed(
+            "prefill_refused", f"HTTP {resp.status}: {data[:200]!r}", status=resp.status
+        )
     if resp.status != 200:
         raise LegFailed("prefill_failed", f"HTTP {resp.status}: {data[:200]!r}", status=resp.status)
     params, cached = response_params(data)
@@ -150,17 +160,23 @@ async def decode_leg(
 
 
 def reached_worker(exc: ConnectFailed) -> bool:
-    """The decode worker may have the request (and may be pulling its KV): not safe to send
-    elsewhere. Only a failed connect (the upstream pool's "connect to ..." error) sent
-    nothing."""
+    """The decode worker took the request before it failed. Only a failed connect (the
+    upstream pool's "connect to ..." error) sent nothing."""
     return isinstance(exc, WorkerTimedOut) or not exc.detail.startswith("connect to")
+
+
+DECODE_FALLBACKS = frozenset({"decode_removed", "decode_unreachable", "decode_closed"})
 
 
 def tagged(send: Send, plan: Plan, fallback: str | None = None) -> Send:
     """The response names the P/D decision: `x-kvroute-pd: split prefill=W`, `local
-    reason=R`, or for a split whose prefill leg failed, `local reason=prefill_fallback
-    cause=C prefill=W` (it was prefilled on the decode worker after all)."""
-    if fallback is not None:
+    reason=R`, for a split whose prefill leg failed `local reason=prefill_fallback cause=C
+    prefill=W` (it was prefilled on the decode worker after all), and for one whose decode
+    worker left or could not be reached `local reason=decode_fallback cause=C decode=D`
+    (served the proxy's way, on another endpoint)."""
+    if fallback in DECODE_FALLBACKS:
+        value = f"local reason=decode_fallback cause={fallback} decode={plan.decode}".encode()
+    elif fallback is not None:
         value = f"local reason=prefill_fallback cause={fallback} prefill={plan.prefill}".encode()
     elif plan.split:
         value = f"split prefill={plan.prefill} reason={plan.reason}".encode()

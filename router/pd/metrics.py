@@ -53,7 +53,8 @@ class PDMetrics:
         self.fallbacks = Counter(
             "kvroute_pd_local_fallbacks_total",
             "Splits served by a local prefill on the decode worker instead, by cause "
-            "(prefill_failed, prefill_timeout, prefill_bad_params, decode_unreachable)",
+            "(prefill_failed, prefill_refused, prefill_timeout, prefill_bad_params, "
+            "decode_unreachable, decode_closed, decode_removed)",
             ["cause"],
             registry=r,
         )

@@ -63,6 +63,7 @@ class Verifier:
     decode_workers: Callable[[], list[str]] = field(default=lambda: [])  # what a sweep reads
     ledgers: dict[str, Ledger] = field(default_factory=dict)
     accounts: dict[str, WorkerAccount] = field(default_factory=dict)
+    retired: WorkerAccount = field(default_factory=WorkerAccount)  # removed workers' totals
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
     # ---- the door's side --------------------------------------------------------------
@@ -113,6 +114,7 @@ class Verifier:
             if swept:  # decode workers that joined since, too
                 due.update(self._worker(e) for e in self.decode_workers())
             await asyncio.gather(*(self._check(w) for w in due))
+            self.forget_removed()
 
     async def _check(self, worker: str) -> None:
         snap = await self._scrape(worker)
@@ -166,7 +168,7 @@ class Verifier:
     # ---- what /health shows -----------------------------------------------------------
 
     def totals(self) -> dict[str, Any]:
-        accounts = self.accounts.values()
+        accounts = [*self.accounts.values(), self.retired]
         return {
             "verified_handoffs": sum(a.verified for a in accounts),
             "silent_recomputes": sum(a.silent for a in accounts),
@@ -175,7 +177,25 @@ class Verifier:
         }
 
     def problems(self) -> dict[str, tuple[str, str]]:
-        """worker -> (problem, fix), for the workers whose last check found one."""
+        """worker -> (problem, fix), for the workers in the fleet whose last check found
+        one (a worker removed since is not the fleet's problem any more)."""
+        live = self.pool.handles
         return {
-            w: (a.problem, a.fix or "") for w, a in self.accounts.items() if a.problem is not None
+            w: (a.problem, a.fix or "")
+            for w, a in self.accounts.items()
+            if a.problem is not None and w in live
         }
+
+    def forget_removed(self) -> None:
+        """Drop the ledgers and accounts of workers removed from the fleet (pods come and go
+        under new addresses); their totals stay counted."""
+        live = self.pool.handles
+        for w in [w for w, led in self.ledgers.items() if w not in live and led.inflight <= 0]:
+            del self.ledgers[w]
+            gone = self.accounts.pop(w, None)
+            if gone is not None:
+                r = self.retired
+                r.verified += gone.verified
+                r.silent += gone.silent
+                r.failed_pulls += gone.failed_pulls
+                r.bytes += gone.bytes
