@@ -8,7 +8,7 @@ from typing import Any
 
 import extproc_standin
 import pytest
-from gateway_harness import gateway, standin_service
+from gateway_harness import MODEL, gateway, standin_service
 
 from router.core.errors import PayloadTooLarge
 
@@ -43,3 +43,15 @@ async def test_the_pickers_own_413_keeps_its_body() -> None:
         resp = await gw.complete("short")
         assert resp.status_code == 413
         assert resp.json() == PayloadTooLarge("the picker's own limit").body()
+
+
+@pytest.mark.parametrize("mode", ["buffered", "full-duplex"])
+async def test_a_body_over_grpcs_default_message_size_is_still_decided(mode: str) -> None:
+    """gRPC caps a message at 4 MiB unless told otherwise; a buffered body is one message.
+    A 5 MB request (a chat with an image inlined) is under the 32 MiB limit: decided and
+    served, not a 500 (failing closed) or a pick Envoy made alone (failing open)."""
+    async with gateway(body_mode=mode) as gw:
+        body = {"model": MODEL, "prompt": "hello there", "max_tokens": 2, "user": "u" * 5_000_000}
+        resp = await gw.client.post("/v1/completions", json=body)
+        assert resp.status_code == 200, resp.text[:300]
+        assert SERVED in resp.headers  # the picker's pick

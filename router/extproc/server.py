@@ -60,6 +60,19 @@ SERVER_OPTIONS = [
     ("grpc.so_reuseport", 0),
     ("grpc.max_concurrent_streams", 1 << 20),
 ]
+# A BUFFERED body comes in one message, and a FULL_DUPLEX_STREAMED one may go back in one:
+# gRPC's default 4 MiB cap would fail (or, failing open, skip the decision for) any body
+# between it and the body limit. Room beyond the limit for the message's headers and framing.
+MESSAGE_HEADROOM = 1 << 20
+
+
+def server_options(max_body_bytes: int) -> list[tuple[str, int]]:
+    cap = max_body_bytes + MESSAGE_HEADROOM
+    return [
+        *SERVER_OPTIONS,
+        ("grpc.max_receive_message_length", cap),
+        ("grpc.max_send_message_length", cap),
+    ]
 
 
 @dataclass(frozen=True)
@@ -146,7 +159,7 @@ class ExtProcServer:
         self._health_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        server = grpc.aio.server(options=SERVER_OPTIONS)
+        server = grpc.aio.server(options=server_options(self.max_body_bytes))
         pb_grpc.add_ExternalProcessorServicer_to_server(
             _Processor(self.svc, self.max_body_bytes, self.endings), server
         )
