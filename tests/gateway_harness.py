@@ -63,9 +63,10 @@ async def until(ok: Callable[[], bool], timeout_s: float = 10.0) -> None:
 
 
 @contextlib.asynccontextmanager
-async def real_service(addresses: list[str]) -> AsyncIterator[Any]:
+async def real_service(addresses: list[str], **config: Any) -> AsyncIterator[Any]:
     """kvroute's own DecisionService (router.routing) over the fleet, its control plane
-    (KV events, health, scraping) running in this event loop, as `kvroute serve` runs it."""
+    (KV events, health, scraping) running in this event loop, as `kvroute serve` runs it;
+    ready once every worker is known and available. `config`: Config fields to change."""
     from router.app import RouterApp
     from router.core.config import Config, WorkerConfig
     from router.procs import serve_in_process
@@ -75,18 +76,28 @@ async def real_service(addresses: list[str]) -> AsyncIterator[Any]:
         workers=tuple(WorkerConfig(f"http://{a}") for a in addresses),
         tokenizer=str(PACKAGED_TOKENIZER),
         admin_insecure=True,
-        scrape_interval_s=0.2,
-        health_check_interval_s=0.2,
+        **{"scrape_interval_s": 0.2, "health_check_interval_s": 0.2, **config},
     )
     app = RouterApp(cfg)
     async with serve_in_process(app) as url:
         app.routing.proxy_url = url  # type: ignore[attr-defined]  # the same brain's HTTP door
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 15
-        while not app.routing.ready:
+        workers = app.routing.fleet.workers
+        while not (
+            app.routing.ready
+            and len(workers) >= len(addresses)
+            and all(w.available and w.models for w in workers.values())
+        ):
             assert loop.time() < deadline, "the decision service never became ready"
             await asyncio.sleep(0.05)
         yield app.routing
+
+
+def slow_health_service(addresses: list[str]) -> Any:
+    """real_service whose health checks and scrapes come every 30 s: a worker that dies is
+    still believed alive for a while, as between two checks in production."""
+    return real_service(addresses, scrape_interval_s=30.0, health_check_interval_s=30.0)
 
 
 @dataclass

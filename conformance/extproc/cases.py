@@ -44,7 +44,9 @@ def need(ok: bool, message: str) -> None:
 
 def check_decision(kit: Kit, ans: Answer, allowed: list[str] | None = None) -> list[str]:
     """GIE: header and envoy.lb metadata both set, equal, an ordered comma-separated list of
-    known endpoints without repeats, and the route cache cleared."""
+    known endpoints, and the route cache cleared. The list may repeat its endpoints only in
+    order (a, b, a, b): one entry per attempt the gateway makes, so that Envoy's override
+    host policy never runs out of picks and falls through to its round robin."""
     need(ans.kind != "immediate_response", f"immediate response {ans.status}: {ans.body[:200]!r}")
     need(ans.header is not None, f"no {wire.DEST} header mutation in the {ans.kind} answer")
     need(ans.metadata is not None, f"no dynamic metadata {wire.LB}/{wire.DEST}")
@@ -52,7 +54,9 @@ def check_decision(kit: Kit, ans: Answer, allowed: list[str] | None = None) -> l
     need(ans.clear_route_cache, "clear_route_cache is not set with the decision")
     eps = ans.endpoints
     need(bool(eps), "the decision names no endpoint")
-    need(len(set(eps)) == len(eps), f"repeated endpoints in {eps}")
+    distinct = list(dict.fromkeys(eps))
+    cycled = [distinct[i % len(distinct)] for i in range(len(eps))]
+    need(eps == cycled, f"endpoints repeated out of order in {eps}")
     pool = allowed if allowed is not None else kit.endpoints
     need(all(e in pool for e in eps), f"{eps} names endpoints outside {pool}")
     return eps
@@ -193,7 +197,7 @@ async def response_side(kit: Kit) -> str:
         first = await s.ask(wire.request_headers("POST", "/v1/completions"))
         ans = first if first.header is not None else await s.ask(wire.request_body(body))
         eps = check_decision(kit, ans)
-        served = eps[-1]
+        served = list(dict.fromkeys(eps))[-1]  # the last fallback (the list may cycle)
         ans = await s.ask(wire.response_headers(200, served, "text/event-stream"))
         need(ans.kind == "response_headers", f"response headers answered with {ans.kind}")
         for i, chunk in enumerate((b'data: {"choices":[]}\n\n', b"data: [DONE]\n\n")):

@@ -45,7 +45,13 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from router.core.errors import ConfigError, PayloadTooLarge
+from router.core.errors import (
+    ConfigError,
+    KvrouteError,
+    NoWorkerAvailable,
+    PayloadTooLarge,
+    UpstreamTimeout,
+)
 
 WORKERS = "kvroute_workers"
 PICKER = "kvroute_picker"
@@ -256,27 +262,65 @@ def _routes(cfg: GatewayConfig) -> dict[str, Any]:
     }
 
 
+# Envoy's own replies, by their response code details, answered in kvroute's error shape:
+# (CEL condition, the error, whose status the reply takes). The picker's immediate
+# responses are local replies too, with details of their own, so they keep their bodies; a
+# worker's reply is not a local one.
+def _envoys_errors(cfg: GatewayConfig) -> list[tuple[str, KvrouteError]]:
+    d = "response.code_details"
+    return [
+        (
+            f"{d} == '{ENVOY_BODY_TOO_LARGE}'",
+            PayloadTooLarge(f"request body over {cfg.max_body_bytes} bytes"),
+        ),
+        (
+            f"{d} == 'ext_proc_error_per-message_timeout_exceeded'",
+            UpstreamTimeout(
+                "the endpoint picker did not decide in time (the gateway's ext_proc "
+                "message_timeout); see the picker's logs and kvroute_route_decision_seconds"
+            ),
+        ),
+        (
+            f"{d}.startsWith('ext_proc_error')",
+            NoWorkerAvailable(
+                "the endpoint picker could not be reached and the gateway fails closed; "
+                "check the kvroute picker is running and reachable from the gateway"
+            ),
+        ),
+        (
+            f"{d}.startsWith('upstream_reset_before_response_started') "
+            f"|| {d} == 'no_healthy_upstream'",
+            NoWorkerAvailable(
+                "no worker could take the request: the picked worker and its fallbacks "
+                "refused or reset the connection"
+            ),
+        ),
+    ]
+
+
 def _local_replies(cfg: GatewayConfig) -> dict[str, Any]:
-    """Envoy's own 413 answered as kvroute answers bad input: OpenAI-shaped JSON, the body
-    the picker sends for an oversized body in full duplex. Matched on Envoy's response code
-    details, not on the status: the picker's immediate responses are local replies too (a 413
-    of its own keeps its body), and a worker's 413 is not a local reply at all."""
-    too_large = PayloadTooLarge(f"request body over {cfg.max_body_bytes} bytes")
-    only_envoys_own = {
-        "name": "envoy.access_loggers.extension_filters.cel",
-        "typed_config": {
-            "@type": T + "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
-            "expression": f"response.code_details == '{ENVOY_BODY_TOO_LARGE}'",
-        },
-    }
-    body = {
-        # a literal: the message has no '%', so Envoy substitutes nothing in it
-        "text_format": json.dumps(too_large.body()),
-        "content_type": "application/json",
-    }
-    return {
-        "mappers": [{"filter": {"extension_filter": only_envoys_own}, "body_format_override": body}]
-    }
+    """Envoy's own error replies answered as kvroute answers them: OpenAI-shaped JSON (the
+    body the picker sends for an oversized body in full duplex, the proxy door's for a worker
+    that cannot be reached), never an empty or plain-text body an SDK cannot read. Matched
+    on Envoy's response code details, not on the status (`_envoys_errors`)."""
+    mappers = []
+    for condition, error in _envoys_errors(cfg):
+        only = {
+            "name": "envoy.access_loggers.extension_filters.cel",
+            "typed_config": {
+                "@type": T + "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter",
+                "expression": condition,
+            },
+        }
+        body = json.dumps(error.body())  # no "%" in these: Envoy substitutes nothing
+        mappers.append(
+            {
+                "filter": {"extension_filter": only},
+                "status_code": error.status,
+                "body_format_override": {"text_format": body, "content_type": "application/json"},
+            }
+        )
+    return {"mappers": mappers}
 
 
 def _picker_access_log() -> dict[str, Any]:

@@ -42,7 +42,11 @@ log = logging.getLogger("kvroute.extproc")
 DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 NO_BODY = processing_mode_pb2.ProcessingMode.NONE
-# Ordered fallbacks sent to the gateway: enough for the retries a gateway makes.
+# Ordered fallbacks sent to the gateway: one per attempt it makes (`kvroute envoy-config`'s
+# route retries 3 times). Envoy's override-host policy takes the next one per retry and,
+# once they run out, its fallback policy's pick over the whole cluster: a worker of another
+# model, a prefill worker, one outside the subset. So the list is always this long, the
+# eligible endpoints repeated in order where fewer.
 MAX_FALLBACKS = 4
 # JSON responses are kept only to read usage.cached_tokens; a larger one is not usage-bearing.
 MAX_KEPT_RESPONSE = 1 << 20
@@ -194,7 +198,9 @@ class Exchange:
                 break
             if s.worker == first or self.svc.rank_of(s.worker) == rank:
                 self.sent.setdefault(self.svc.address_of(s.worker), s.worker)
-        return list(self.sent), (() if rank is None else ((RANK, str(rank)),))
+        eligible = list(self.sent)
+        attempts = [eligible[i % len(eligible)] for i in range(MAX_FALLBACKS)]
+        return attempts, (() if rank is None else ((RANK, str(rank)),))
 
     # ---- response: load accounting only ---------------------------------------------------
 
