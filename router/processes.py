@@ -113,6 +113,21 @@ def listen_sockets(role: ProcessRole, host: str, port: int) -> list[socket.socke
     return [shared, private]
 
 
+def bind_port(host: str, port: int) -> socket.socket | str:
+    """A listening socket on host:port, or why there can be none (the one-process router)."""
+    sock = _tcp_socket(host)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        return (
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}; another process holds "
+            "it, or the address is not this host's: choose another --port or --host"
+        )
+    return sock
+
+
 def check_port(host: str, port: int) -> str | None:
     """Why the children should not bind host:port, or None: checked once, up front, without
     SO_REUSEPORT, so that a router already listening there (another `--processes`

@@ -508,7 +508,17 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"kvroute serve: {err.message}", file=sys.stderr)
         return 2
+    sockets = None
     if role is None:
+        from router.processes import bind_port
+
+        # bound before the start-up line: uvicorn, failing to bind, logged its error after
+        # "serving" and then hung, deaf to SIGTERM
+        bound = bind_port(config.host, config.port)
+        if isinstance(bound, str):
+            print(f"kvroute serve: {bound}", file=sys.stderr)
+            return 2
+        sockets = [bound]
         _announce(config)
     if picker is not None:
         app.doors.append(picker)
@@ -527,12 +537,11 @@ def run(args: argparse.Namespace) -> int:
         tls_cert=config.tls_cert,
         tls_key=config.tls_key,
     )
-    sockets = None
     if role is not None:
         from router.processes import listen_sockets
 
         sockets = listen_sockets(role, config.host, config.port)
-    serve(uv, app.start_draining, config.drain_delay_s, sockets=sockets)
+    serve(uv, app.start_draining, config.drain_delay_s, sockets=sockets, child=role is not None)
     return 0
 
 
@@ -572,7 +581,11 @@ def _supervise(args: argparse.Namespace, config: Config) -> int:
 
 def _announce(config: Config) -> None:
     """The start-up line an operator greps for, and the warnings that matter."""
+    from router.core.config import env_notes
     from router.metrics import version
+
+    for note in env_notes():
+        log.warning("%s", note)
 
     fleet = [w.name for w in config.workers]
     if config.workers_file:

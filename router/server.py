@@ -221,7 +221,9 @@ def serve(
     on_drain: Callable[[], None],
     drain_delay_s: float,
     sockets: list[socket.socket] | None = None,
+    child: bool = False,
 ) -> None:
     """Serve until drained; `sockets`: listen on these (already bound) instead of the
-    config's host and port (`--processes`: the shared port and a private one)."""
-    DrainingServer(config, on_drain, drain_delay_s, child=sockets is not None).run(sockets=sockets)
+    config's host and port; `child`: a `--processes` child (the shared port and a private
+    one)."""
+    DrainingServer(config, on_drain, drain_delay_s, child=child).run(sockets=sockets)

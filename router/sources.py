@@ -105,7 +105,16 @@ class WorkerSources:
                 return False
             self._file_mtime = mtime
             with open(path) as f:
-                raw = yaml.safe_load(f) or []
+                raw = yaml.safe_load(f)
+            if raw is None and self.from_file:
+                # an editor truncates before it writes: mid-save is not "no workers"
+                log.warning(
+                    "workers file %s is empty: keeping the current list (write `workers: []` "
+                    "to remove every worker)",
+                    path,
+                )
+                return False
+            raw = raw or []
             entries = raw.get("workers", raw) if isinstance(raw, dict) else raw
             workers = parse_workers(entries, f"workers_file {path}: workers")
             validate_workers(workers, self.config.mode, whole=False)

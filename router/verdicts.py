@@ -26,6 +26,15 @@ def _report(pool: WorkerPool, h: WorkerHandle, f: Feed) -> dict[str, Any]:
     problems = dict(h.problems)
     for i, err in enumerate(report.errors if report else ()):
         problems[f"events_{i}"] = err
+    if not state.available:
+        # first: its events' verdict ("events flowing") is beside the point while it is out
+        problems = {
+            "unavailable": (
+                f"worker {state.name} is out of rotation: {h.last_error or 'failing health checks'}"
+                "; check its vLLM process or pod: it is re-admitted once its /health answers"
+            ),
+            **problems,
+        }
     sub = f.subscriber.status if f.subscriber is not None else None
     if sub is not None and sub.restarts and not sub.running:
         problems["subscriber"] = (
@@ -51,7 +60,7 @@ def _report(pool: WorkerPool, h: WorkerHandle, f: Feed) -> dict[str, Any]:
     }
     if state.rank is not None:
         out["data_parallel_rank"] = state.rank
-    if report is not None and h.mode_setting != APPROX:
+    if report is not None and h.mode_setting != APPROX and state.available:
         out["reason"] = report.reason
         if report.fix:
             out["fix"] = report.fix

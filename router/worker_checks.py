@@ -210,6 +210,19 @@ class WorkerChecks:
         except (httpx.HTTPError, ValueError, AttributeError) as exc:
             h.last_error = f"GET /v1/models: {exc}"
             return
+        if resp.status_code in (401, 403):
+            # vLLM's --api-key guards /v1: its models stay unknown, so it is eligible for
+            # every model a client names (a request for another model gets its 404)
+            if "api_key" not in h.problems:
+                log.error("worker %s refused GET /v1/models (%d)", h.name, resp.status_code)
+            h.problems["api_key"] = (
+                f"worker {h.name} refused kvroute's GET /v1/models ({resp.status_code}): it "
+                "runs with --api-key, so the models it serves are unknown and it takes "
+                "requests for any model; give kvroute one of its keys (--worker-api-key, "
+                "KVROUTE_WORKER_API_KEY, or api_key: for this worker)"
+            )
+            return
+        h.problems.pop("api_key", None)
         if data is None:
             return
         cards = [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)]

@@ -245,11 +245,19 @@ class WorkerPool:
         h.metrics = await self.checks.fetch_metrics(h)
         await self._resolve_address(h)
         if h.mode_setting != APPROX:
-            sources = await self._event_sources(h)
+            asked = await self._event_sources(h)
+            sources = asked or []
             self._set_ranks(h, sources)
             for feed, src in zip(h.feeds, sources, strict=False):
                 self._subscribe(h, feed, src)
-            if not sources:
+            if asked is None:
+                # down, or still loading its model: no verdict on its flags yet (it is
+                # discovered again when it passes a health check)
+                h.problems["events"] = (
+                    f"worker {h.name}: could not ask for its KV event publishers "
+                    f"({h.last_error}); asked again once it answers its health check"
+                )
+            elif not sources:
                 h.problems["events"] = (
                     f"worker {h.name} has no KV event publisher: "
                     + h.adapter.hints.events_missing.format(url=h.url)
@@ -262,16 +270,24 @@ class WorkerPool:
         for f in h.feeds:
             self.checks.refresh_mode(h, f)
 
-    async def _event_sources(self, h: WorkerHandle) -> list[EventSource]:
+    async def _event_sources(self, h: WorkerHandle) -> list[EventSource] | None:
+        """The worker's KV event publishers; None when it could not be asked (unreachable,
+        or a server error): not the same as a worker that publishes none."""
         w = h.config
         if w.events:
             return [EventSource(w.events, w.replay, w.topic or "")]
+        path = h.adapter.event_sources_path
         try:
-            resp = await self.client.get(h.url + h.adapter.event_sources_path, headers=h.auth)
+            resp = await self.client.get(h.url + path, headers=h.auth)
             doc = resp.json() if resp.status_code == 200 else None
-        except (httpx.HTTPError, ValueError) as exc:
-            h.last_error = f"GET {h.adapter.event_sources_path}: {exc}"
-            return []
+        except httpx.HTTPError as exc:
+            h.last_error = f"GET {path}: {type(exc).__name__}: {exc}"
+            return None
+        except ValueError:
+            doc = None
+        if resp.status_code >= 500:
+            h.last_error = f"GET {path}: HTTP {resp.status_code}"
+            return None
         found = h.adapter.event_sources(doc, h.url)
         if w.topic is not None:
             found = [EventSource(s.endpoint, s.replay_endpoint, w.topic, s.rank) for s in found]

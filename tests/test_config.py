@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from router.core.config import Config, WorkerConfig, from_env, from_mapping
+from router.core.config import Config, WorkerConfig, env_notes, from_env, from_mapping
 from router.core.errors import ConfigError
 from router.serve_cli import load_config
 
@@ -194,3 +194,40 @@ def test_a_config_files_log_format_is_used(tmp_path: Path) -> None:
         proc.wait(10)
         if proc.stderr is not None:
             proc.stderr.close()
+
+
+def test_kubernetes_service_links_are_not_settings() -> None:
+    """A Service named kvroute in the namespace puts KVROUTE_PORT=tcp://IP:PORT (and more) in
+    every pod's environment: kvroute must still start, on its own port."""
+    links = {
+        "KVROUTE_PORT": "tcp://10.96.0.5:8000",
+        "KVROUTE_SERVICE_HOST": "10.96.0.5",
+        "KVROUTE_SERVICE_PORT": "8000",
+        "KVROUTE_SERVICE_PORT_HTTP": "8000",
+        "KVROUTE_PORT_8000_TCP": "tcp://10.96.0.5:8000",
+        "KVROUTE_PORT_8000_TCP_PROTO": "tcp",
+        "KVROUTE_PORT_8000_TCP_PORT": "8000",
+        "KVROUTE_PORT_8000_TCP_ADDR": "10.96.0.5",
+        "KVROUTE_EPP_PORT": "tcp://10.96.0.6:9002",
+        "KVROUTE_EPP_SERVICE_HOST": "10.96.0.6",
+    }
+    assert from_env(Config(), links).port == Config().port
+    assert from_env(Config(), {**links, "KVROUTE_METRICS": "off"}).metrics is False
+    (note,) = env_notes(links)
+    assert note.startswith("KVROUTE_PORT='tcp://10.96.0.5:8000' is a Kubernetes service link")
+    assert from_env(Config(), {"KVROUTE_PORT": "9000"}).port == 9000
+
+
+def test_a_misspelt_variable_is_named_with_the_nearest_setting() -> None:
+    env = {
+        "KVROUTE_DRAIN_TIMEOUT": "90",
+        "KVROUTE_BLURB": "x",
+        "KVROUTE_LOG_FORMAT": "json",  # read by the log setup, not a field
+        "KVROUTE_DRAIN_TIMEOUT_S": "90",
+        "PATH": "/bin",
+    }
+    assert env_notes(env) == [
+        "KVROUTE_BLURB is not a kvroute setting and is ignored",
+        "KVROUTE_DRAIN_TIMEOUT is not a kvroute setting and is ignored: did you mean "
+        "KVROUTE_DRAIN_TIMEOUT_S?",
+    ]

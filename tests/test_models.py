@@ -5,6 +5,7 @@ real ZMQ, simulated vLLM workers on loopback."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -234,3 +235,22 @@ async def test_data_parallel_ranks_are_endpoints_routed_by_header() -> None:
 
 def body(prompt: str) -> dict[str, Any]:
     return {"model": "kvroute-sim", "prompt": prompt, "max_tokens": 2}
+
+
+async def test_workers_behind_an_api_key_kvroute_was_not_given_say_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Without --worker-api-key their /v1/models answers 401: the models they serve stay
+    unknown (each is eligible for any model), which /health and the log must name."""
+    caplog.set_level(logging.ERROR, logger="kvroute")
+    async with two_models(api_key="s3cret") as s:
+        for _ in range(200):
+            doc = (await s.client.get("/health")).json()
+            problems = [p for w in doc["workers"] for p in w["problems"] if "--api-key" in p]
+            if len(problems) == 3:
+                break
+            await asyncio.sleep(0.05)
+        assert len(problems) == 3 and all("--worker-api-key" in p for p in problems)
+        assert all(w["status"] != "ok" for w in doc["workers"])
+        logged = [r for r in caplog.records if "refused GET /v1/models (401)" in r.getMessage()]
+        assert len(logged) == 3  # once per worker, not every health check

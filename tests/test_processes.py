@@ -255,6 +255,20 @@ def test_a_port_already_served_is_refused() -> None:
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
 
 
+def test_one_process_on_a_taken_port_exits_naming_it() -> None:
+    """uvicorn, left to bind it, logged its error after "serving" and hung (SIGTERM too)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "router.cli", "serve", "--worker", "http://127.0.0.1:9"]
+    cmd += ["--port", str(port)]
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", port))
+        held.listen()
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in done.stderr
+    assert "serving" not in done.stderr
+
+
 def test_metric_files_are_written_once_per_loop_turn_and_on_every_loop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

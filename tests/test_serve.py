@@ -193,6 +193,34 @@ async def test_killed_worker_is_ejected_and_requests_go_elsewhere() -> None:
         health = (await s.client.get("/health")).json()
         gone = next(w for w in health["workers"] if w["name"] == worker_of(first))
         assert gone["available"] is False
+        # why it is out, not its events' verdict ("events flowing")
+        assert "reason" not in gone and "events flowing" not in json.dumps(gone)
+        assert gone["problems"][0].startswith(f"worker {worker_of(first)} is out of rotation: ")
+        assert "re-admitted once its /health answers" in gone["problems"][0]
+
+
+async def test_a_worker_that_cannot_be_reached_is_not_told_to_fix_its_event_flags() -> None:
+    """A vLLM pod still loading its model refuses connections: that is not a worker
+    started without --kv-events-config."""
+    from router.procs import free_port
+
+    down = f"http://127.0.0.1:{free_port()}"
+    cfg = Config(
+        workers=(WorkerConfig(down),),
+        tokenizer=str(PACKAGED_TOKENIZER),
+        mode="events",
+        health_check_interval_s=60,
+    )
+    app = RouterApp(cfg)
+    async with serve_in_process(app) as url, httpx.AsyncClient(base_url=url) as client:
+        for _ in range(200):
+            (report,) = (await client.get("/health")).json()["workers"]
+            if len(report["problems"]) > 1:
+                break
+            await asyncio.sleep(0.02)
+        text = json.dumps(report)
+        assert "could not ask for its KV event publishers" in text
+        assert "--kv-events-config" not in text
 
 
 async def test_client_disconnect_cancels_the_worker_request() -> None:

@@ -89,6 +89,11 @@ async def test_a_bad_workers_file_keeps_the_current_list(
             assert any("workers[1].block_size" in r.message for r in caplog.records)
             path.write_text(f"- {a}\n- {b}\n")  # a plain list works too
             assert len(await names_of(app, 2)) == 2
+            path.write_text("")  # an editor mid-save: not "no workers"
+            await asyncio.sleep(2.5)
+            assert len(app.pool.handles) == 2
+            path.write_text("workers: []\n")  # said explicitly
+            assert await names_of(app, 0) == []
 
 
 async def test_admin_api_validates_like_the_config() -> None:

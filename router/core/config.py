@@ -506,14 +506,80 @@ def _merged_scoring(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# KVROUTE_* variables that are not configuration fields: read elsewhere (the process
+# supervisor's, the index backend, the log format, NIXL's, the test and bench tools')
+OTHER_ENV = frozenset(
+    {
+        "INDEX_BACKEND",
+        "LOG_FORMAT",
+        "PROCESS_INDEX",
+        "PROCESS_DIR",
+        "PROCESS_COUNT",
+        "NIXL_PTHR_DELAY_US",
+        "ENVOY",
+        "VLLM_VENV",
+        "PEERS_VENV",
+        "NO_SKIPS",
+        "SOAK_MINUTES",
+        "KEEP_LOGS",
+        "MODEL_DIR",
+    }
+)
+# What Kubernetes injects for each Service in the namespace (service links), for one named
+# kvroute: KVROUTE_PORT=tcp://10.0.0.5:8000, KVROUTE_SERVICE_HOST, KVROUTE_SERVICE_PORT,
+# KVROUTE_PORT_8000_TCP_ADDR, ... (kvroute-epp: KVROUTE_EPP_...)
+_LINK_URL = re.compile(r"^(tcp|udp|sctp)://[^/\s]+:\d+$")
+_LINK_NAME = re.compile(
+    r"^KVROUTE(_[A-Z0-9]+)*_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?|PORT_\d+_(TCP|UDP|SCTP)"
+    r"(_[A-Z]+)?)$"
+)
+
+
+def service_link(var: str, value: str) -> bool:
+    """Is this variable one Kubernetes injected for a Service, not a setting?"""
+    if var.endswith("_PORT") and _LINK_URL.match(value):
+        return True
+    return bool(_LINK_NAME.match(var))
+
+
+def env_notes(environ: dict[str, str] | None = None) -> list[str]:
+    """What an operator should hear of the KVROUTE_* environment: variables kvroute does
+    not read (a misspelt field), with the nearest field, and service links it skipped."""
+    import difflib
+
+    env = os.environ if environ is None else environ
+    names = {ENV_PREFIX + f.name.upper() for f in fields(Config)}
+    notes = []
+    for var, value in sorted(env.items()):
+        if not var.startswith(ENV_PREFIX) or var[len(ENV_PREFIX) :] in OTHER_ENV:
+            continue
+        if service_link(var, value):
+            if var in names:
+                notes.append(
+                    f"{var}={value!r} is a Kubernetes service link, not kvroute's setting: "
+                    "ignored (set enableServiceLinks: false in the pod spec)"
+                )
+            continue
+        if var in names:
+            continue
+        near = difflib.get_close_matches(var, sorted(names), n=1, cutoff=0.75)
+        hint = f": did you mean {near[0]}?" if near else ""
+        notes.append(f"{var} is not a kvroute setting and is ignored{hint}")
+    return notes
+
+
 def from_env(base: Config, environ: dict[str, str] | None = None) -> Config:
     """KVROUTE_<FIELD> for scalar fields; KVROUTE_WORKERS and KVROUTE_PEERS are
-    comma-separated lists."""
+    comma-separated lists. A Kubernetes service link (KVROUTE_PORT=tcp://IP:PORT) is not
+    kvroute's port."""
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     for f in fields(Config):
-        raw = env.get(ENV_PREFIX + f.name.upper())
+        var = ENV_PREFIX + f.name.upper()
+        raw = env.get(var)
         if raw is None or f.name in ("scoring", "tokenizers", "chat_templates", "policy_params"):
+            continue
+        if service_link(var, raw):
             continue
         if f.name in ("workers", "peers"):
             values[f.name] = [u.strip() for u in raw.split(",") if u.strip()]
