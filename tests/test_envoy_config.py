@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from router.envoy.bootstrap import (
+    ACCESS_LOG_MARK,
     CLIENT_ROUTING_HEADERS,
     PICKER,
     WORKERS,
@@ -108,8 +109,17 @@ def test_client_routing_headers_are_stripped_before_ext_proc() -> None:
         < names.index("envoy.filters.http.router")
     )
     (f,) = [f for f in http_filters(doc_of(*BASE, *WORKER_ARGS)) if f["name"] == names[strip]]
-    removed = [m["remove"] for m in f["typed_config"]["mutations"]["request_mutations"]]
-    assert removed == list(CLIENT_ROUTING_HEADERS)
+    rules = f["typed_config"]["mutations"]["request_mutations"]
+    assert [m["remove"] for m in rules if "remove" in m] == list(CLIENT_ROUTING_HEADERS)
+    # and the mark that says this gateway's access log goes to the picker, set over any
+    # client's, then removed before the worker
+    (mark,) = [m["append"] for m in rules if "append" in m]
+    assert mark["header"] == {"key": ACCESS_LOG_MARK, "value": "1"}
+    assert mark["append_action"] == "OVERWRITE_IF_EXISTS_OR_ADD"
+    (vhost,) = doc_of(*BASE, *WORKER_ARGS)["static_resources"]["listeners"][0]["filter_chains"][0][
+        "filters"
+    ][0]["typed_config"]["route_config"]["virtual_hosts"]
+    assert vhost["request_headers_to_remove"] == [ACCESS_LOG_MARK]
 
 
 def test_ext_proc_receives_the_lb_metadata_and_modes_match() -> None:

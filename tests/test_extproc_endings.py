@@ -16,7 +16,7 @@ import pytest
 from envoy.data.accesslog.v3 import accesslog_pb2
 from gateway_harness import MODEL, Gateway, fixed_order, gateway, until
 
-from router.envoy.bootstrap import PICKER, Endpoint
+from router.envoy.bootstrap import ACCESS_LOG_MARK, PICKER, Endpoint
 from router.extproc.endings import (
     CLIENT_GONE,
     COMPLETED,
@@ -75,6 +75,15 @@ def test_a_verdict_told_after_the_close_concludes_then() -> None:
     endings.tell("r1", UPSTREAM_BROKE)
     timers.fire()  # cancelled: no second conclusion
     assert got == [UPSTREAM_BROKE]
+
+
+def test_a_request_the_gateway_marked_waits_for_a_log_not_open_yet() -> None:
+    endings, _, got = _endings(streams=0)
+    endings.expect("r1")
+    endings.when_known("r1", got.append, logged=True)
+    assert got == []
+    endings.tell("r1", CLIENT_GONE)  # Envoy opened the log with this entry
+    assert got == [CLIENT_GONE]
 
 
 def test_no_verdict_in_time_concludes_with_none() -> None:
@@ -292,13 +301,36 @@ async def test_a_worker_that_breaks_off_its_response_is_an_upstream_failure(
 
 
 def without_access_log(doc: dict[str, Any]) -> None:
-    """A bootstrap written by hand before the picker took Envoy's access log."""
+    """A bootstrap written by hand before the picker took Envoy's access log (and so
+    without the mark that says it does)."""
     listener = doc["static_resources"]["listeners"][0]
     (hcm,) = [f for f in listener["filter_chains"][0]["filters"] if f["name"] == HCM]
     (log,) = hcm["typed_config"].pop("access_log")
     assert log["typed_config"]["common_config"]["grpc_service"]["envoy_grpc"] == {
         "cluster_name": PICKER
     }
+    for f in hcm["typed_config"]["http_filters"]:
+        rules = f["typed_config"].get("mutations", {}).get("request_mutations")
+        if rules is not None:
+            marks = [r for r in rules if "append" in r]
+            assert [m["append"]["header"]["key"] for m in marks] == [ACCESS_LOG_MARK]
+            rules.remove(marks[0])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+async def test_the_first_requests_wait_for_the_log_envoy_has_not_opened_yet() -> None:
+    """Envoy opens its access-log stream at its first entry, just after the first request's
+    ext_proc stream closed: that request is still concluded by its entry, not by a guess
+    (bodies skipped, a hang-up would be a completed 200)."""
+    slow = (("--decode-ms-per-step", "30"),)
+    async with gateway(body_mode="full-duplex", response_body="skip", engine_args=slow) as gw:
+        assert gw.picker is not None and gw.picker.endings.streams == 0
+        body = {"model": MODEL, "prompt": "long " * 20, "max_tokens": 300, "stream": True}
+        await _stream(gw.envoy.url, body, cancel_after=0.5)
+        await until(lambda: gw.svc.inflight() == 0)
+        ticket = gw.svc.tickets[-1]
+        assert ticket.events[-1] == ("finish", (0, "client_disconnected")), ticket.events
 
 
 @pytest.mark.slow

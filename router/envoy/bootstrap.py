@@ -68,6 +68,10 @@ CLIENT_ROUTING_HEADERS = (
     SERVED,
     "x-data-parallel-rank",
 )
+# Set on every request before ext_proc, removed before the worker: this gateway sends its
+# access log to the picker, so a request's end is worth waiting for even before Envoy has
+# opened that log's stream (it does at its first entry)
+ACCESS_LOG_MARK = "x-kvroute-access-log"
 PICKER_HEALTH_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 # Envoy's response code details for its own 413, a request body over the buffer limit
 ENVOY_BODY_TOO_LARGE = "request_payload_too_large"
@@ -256,6 +260,7 @@ def _routes(cfg: GatewayConfig) -> dict[str, Any]:
                 "name": "fleet",
                 "domains": ["*"],
                 "routes": [{"match": {"prefix": "/"}, "route": route}],
+                "request_headers_to_remove": [ACCESS_LOG_MARK],
                 "response_headers_to_add": [served],
             }
         ],
@@ -347,7 +352,17 @@ def _strip_filter() -> dict[str, Any]:
         "name": "kvroute.strip_client_routing_headers",
         "typed_config": {
             "@type": T + "envoy.extensions.filters.http.header_mutation.v3.HeaderMutation",
-            "mutations": {"request_mutations": [{"remove": h} for h in CLIENT_ROUTING_HEADERS]},
+            "mutations": {
+                "request_mutations": [
+                    *({"remove": h} for h in CLIENT_ROUTING_HEADERS),
+                    {
+                        "append": {
+                            "header": {"key": ACCESS_LOG_MARK, "value": "1"},
+                            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+                        }
+                    },
+                ]
+            },
         },
     }
 

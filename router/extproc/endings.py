@@ -124,10 +124,13 @@ class Endings:
         if slot.waiter is not None:
             self._conclude(rid, ending)
 
-    def when_known(self, rid: str, then: Conclude) -> None:
-        """The listening exchange's stream closed: `then` gets its verdict, or None."""
+    def when_known(self, rid: str, then: Conclude, logged: bool = False) -> None:
+        """The listening exchange's stream closed: `then` gets its verdict, or None.
+        `logged`: the gateway marked the request as one whose access log comes here, so
+        its entry is waited for even while no log stream is open (Envoy opens it at its
+        first entry, just after the first requests' streams close)."""
         slot = self._slots.get(rid)
-        if slot is None or slot.shared or slot.told or not self.streams:
+        if slot is None or slot.shared or slot.told or not (self.streams or logged):
             ending = None if slot is None or slot.shared else slot.ending
             self.forget(rid)
             then(ending)

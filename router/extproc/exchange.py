@@ -56,7 +56,9 @@ WORKER_HEADER = "x-kvroute-worker"
 RANK = RANK_HEADER.decode()
 
 Responses = list[gie.ProcessingResponse]
-_REQUEST_HEADERS = frozenset({":method", ":path", "x-request-id"})
+# the bootstrap's mark: this gateway's access log comes to the picker (router.envoy)
+ACCESS_LOG_MARK = "x-kvroute-access-log"
+_REQUEST_HEADERS = frozenset({":method", ":path", "x-request-id", ACCESS_LOG_MARK})
 _RESPONSE_HEADERS = frozenset({":status", "content-type"})
 _encode = msgspec.json.encode
 
@@ -74,6 +76,7 @@ class Exchange:
         self.max_body_bytes = max_body_bytes
         self.endings = endings or ends.Endings()
         self.rid = ""  # Envoy's x-request-id, the access log's name for this request
+        self.logged = False  # the gateway marked it: its access log comes to the picker
         self.listening = False  # the endings will say how it ended
         self.body_bytes = 0
         self.duplex_request = False
@@ -126,6 +129,7 @@ class Exchange:
         method = headers.get(":method", "GET")
         path = headers.get(":path", "/").split("?", 1)[0]
         self.rid = headers.get("x-request-id", "")
+        self.logged = headers.get(ACCESS_LOG_MARK) == "1"
         if method == "GET" and path == "/v1/models":
             return [gie.immediate(200, _encode(self.svc.models_doc()))]
         self.path = path
@@ -265,7 +269,7 @@ class Exchange:
         if self.ticket is None:
             return
         if self.listening:
-            self.endings.when_known(self.rid, self._ended)
+            self.endings.when_known(self.rid, self._ended, logged=self.logged)
             return
         if self.rid:
             self.endings.forget(self.rid)
