@@ -210,6 +210,16 @@ async def test_debug_route_explains_the_pd_decision() -> None:
         assert "uncached tokens" in doc["pd"]["explain"]
 
 
+async def test_debug_route_sends_nothing_so_it_waits_for_no_placement() -> None:
+    """Its prefill side is a dry run too: no placement wait (--peers), nothing shed."""
+    async with pd_router(prefill_ok(), decode_stream()) as s:
+        s.app.routing.placement_wait = lambda: 2.0
+        t0 = asyncio.get_running_loop().time()
+        doc = (await s.client.post("/debug/route", json={"prompt": PROMPT})).json()
+        assert doc["pd"]["decision"] == "split"
+        assert asyncio.get_running_loop().time() - t0 < 1.5
+
+
 def _stalls_after_head() -> Any:
     """A JSON answer whose head comes and whose body stops partway (a hung engine)."""
 

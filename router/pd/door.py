@@ -156,16 +156,21 @@ class PDDoor:
             ), None
         if self.model.threshold == "never" or dside.new < d.block_size:
             return self.model.decide(dside, None, d.block_size), None
-        pdec, pside, why_not = await self._prefill_side(rin, d.worker, n)
+        dry = decision.request.dry_run
+        pdec, pside, why_not = await self._prefill_side(rin, d.worker, n, dry)
         return self.model.decide(dside, pside, d.block_size, why_not), pdec
 
     async def _prefill_side(
-        self, rin: RoutingInput, decode: str, n: int
+        self, rin: RoutingInput, decode: str, n: int, dry_run: bool
     ) -> tuple[Decision | None, m.Side | None, str]:
-        """The prefill profile's pick, skipping saturated workers."""
+        """The prefill profile's pick, skipping saturated workers (`dry_run`: for
+        /debug/route, which sends nothing: no placement wait)."""
         try:
             pdec = await self.svc.decide(
-                rin, profile="prefill", constraints=Constraints(exclude=frozenset({decode}))
+                rin,
+                profile="prefill",
+                constraints=Constraints(exclude=frozenset({decode})),
+                dry_run=dry_run,
             )
         except NoWorkerAvailable:
             return None, None, m.LOCAL_NO_PREFILL
