@@ -114,10 +114,18 @@ def listen_sockets(role: ProcessRole, host: str, port: int) -> list[socket.socke
 
 
 def bind_port(host: str, port: int) -> socket.socket | str:
-    """A listening socket on host:port, or why there can be none (the one-process router)."""
-    sock = _tcp_socket(host)
+    """A listening socket on host:port, or why there can be none (the one-process router).
+    A name binds the first address it resolves to (IPv6 too)."""
     try:
-        sock.bind((host, port))
+        family, _, _, _, address = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        return f"cannot listen on {host}:{port}: {exc.strerror or exc}; check --host"
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
         sock.listen(2048)
     except OSError as exc:
         sock.close()

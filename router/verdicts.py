@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from router.workers import Feed, WorkerHandle, WorkerPool
 
 log = logging.getLogger("kvroute.workers")
+DEGRADING = frozenset({"api_key"})  # problems that degrade a worker rather than break it
 
 
 def worker_reports(pool: WorkerPool, h: WorkerHandle) -> list[dict[str, Any]]:
@@ -87,7 +88,11 @@ def _status(h: WorkerHandle, report: Any, problems: dict[str, str]) -> str:
     silent = report is not None and report.state in (EventHealth.NO_EVENTS, EventHealth.STALE)
     if h.mode_setting != APPROX and (silent or "events" in problems):
         return "degraded" if h.mode_setting == "auto" else "unhealthy"
-    return "unhealthy" if problems else "ok"
+    if not problems:
+        return "ok"
+    # its models unknown (a key kvroute lacks): routed by prefix still, maybe to a worker of
+    # another model in a multi-model fleet: degraded, not broken
+    return "degraded" if problems.keys() <= DEGRADING else "unhealthy"
 
 
 def _event_counters(f: Feed) -> dict[str, Any]:

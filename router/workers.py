@@ -244,15 +244,18 @@ class WorkerPool:
         """Ask the worker for its cache config, models and event publishers; subscribe."""
         h.metrics = await self.checks.fetch_metrics(h)
         await self._resolve_address(h)
+        answered = True  # it said which event publishers it has (or none were asked for)
         if h.mode_setting != APPROX:
+            h.problems.pop("events", None)
             asked = await self._event_sources(h)
+            answered = asked is not None
             sources = asked or []
             self._set_ranks(h, sources)
             for feed, src in zip(h.feeds, sources, strict=False):
                 self._subscribe(h, feed, src)
             if asked is None:
                 # down, or still loading its model: no verdict on its flags yet (it is
-                # discovered again when it passes a health check)
+                # discovered again at its next passing health check)
                 h.problems["events"] = (
                     f"worker {h.name}: could not ask for its KV event publishers "
                     f"({h.last_error}); asked again once it answers its health check"
@@ -266,7 +269,7 @@ class WorkerPool:
         await self.checks.refresh_models(h)
         self.checks.apply_cache_config(h)
         await self.checks.check_tokenizers(h)
-        h.discovered = True
+        h.discovered = answered
         for f in h.feeds:
             self.checks.refresh_mode(h, f)
 

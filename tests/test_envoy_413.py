@@ -55,3 +55,14 @@ async def test_a_body_over_grpcs_default_message_size_is_still_decided(mode: str
         resp = await gw.client.post("/v1/completions", json=body)
         assert resp.status_code == 200, resp.text[:300]
         assert SERVED in resp.headers  # the picker's pick
+
+
+def test_the_pickers_message_cap_fits_grpcs_int() -> None:
+    """gRPC takes the cap as a C int: a body limit near 2 GiB must still start the picker."""
+    from router.extproc.server import GRPC_MAX_MESSAGE, server_options
+
+    for limit in (32 << 20, (1 << 31) - 1, 3_000_000_000):
+        caps = dict(server_options(limit))
+        cap = caps["grpc.max_receive_message_length"]
+        assert cap == caps["grpc.max_send_message_length"]
+        assert limit < cap <= GRPC_MAX_MESSAGE or cap == GRPC_MAX_MESSAGE

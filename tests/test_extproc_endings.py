@@ -20,6 +20,7 @@ from router.envoy.bootstrap import ACCESS_LOG_MARK, PICKER, Endpoint
 from router.extproc.endings import (
     CLIENT_GONE,
     COMPLETED,
+    MARK_TRUST_S,
     UPSTREAM_BROKE,
     Endings,
     ending_of,
@@ -84,6 +85,27 @@ def test_a_request_the_gateway_marked_waits_for_a_log_not_open_yet() -> None:
     assert got == []
     endings.tell("r1", CLIENT_GONE)  # Envoy opened the log with this entry
     assert got == [CLIENT_GONE]
+
+
+def test_a_mark_no_log_ever_follows_is_trusted_for_a_while_only() -> None:
+    """Behind a gateway that passes a client's own mark through and sends no log, marked
+    requests wait for a log only for MARK_TRUST_S after the first of them."""
+    now = [100.0]
+    timers = FakeTimers()
+    endings = Endings(wait_s=2.0, later=timers.later, clock=lambda: now[0])
+    got: list[str | None] = []
+    endings.expect("r1")
+    endings.when_known("r1", got.append, logged=True)
+    assert got == []  # waits
+    now[0] += MARK_TRUST_S
+    endings.expect("r2")
+    endings.when_known("r2", got.append, logged=True)
+    assert got == [None]  # no log ever came: concluded at once
+    endings.opened()  # a log after all: the mark is trusted again
+    endings.closed()
+    endings.expect("r3")
+    endings.when_known("r3", got.append, logged=True)
+    assert got == [None]
 
 
 def test_no_verdict_in_time_concludes_with_none() -> None:

@@ -223,6 +223,46 @@ async def test_a_worker_that_cannot_be_reached_is_not_told_to_fix_its_event_flag
         assert "--kv-events-config" not in text
 
 
+async def test_a_worker_that_could_not_say_its_event_publishers_is_asked_again() -> None:
+    """One 503 on /kv_event_sources (a server still loading) while /health passes: the next
+    passing health check asks again, as /health says it will."""
+    from pd_fakes import FakeWorker, prefill_status
+
+    from router.asgi import send_json
+    from router.procs import free_port
+
+    asked = []
+    publisher = f"tcp://127.0.0.1:{free_port()}"
+
+    class Loading(FakeWorker):
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] == "http" and scope["path"] == "/kv_event_sources":
+                asked.append(1)
+                if len(asked) == 1:
+                    await send_json(send, 503, {"error": "loading"})
+                else:
+                    doc = {"0": {"enable_kv_cache_events": True, "endpoint": publisher}}
+                    await send_json(send, 200, doc)
+                return
+            await super().__call__(scope, receive, send)
+
+    async with serve_in_process(Loading(prefill_status(500))) as worker:
+        cfg = Config(
+            workers=(WorkerConfig(worker),),
+            tokenizer=str(PACKAGED_TOKENIZER),
+            health_check_interval_s=0.2,
+        )
+        app = RouterApp(cfg)
+        async with serve_in_process(app) as url, httpx.AsyncClient(base_url=url) as client:
+            for _ in range(100):
+                (report,) = (await client.get("/health")).json()["workers"]
+                if report["events_endpoint"] == publisher:
+                    break
+                await asyncio.sleep(0.05)
+            assert len(asked) == 2 and report["events_endpoint"] == publisher
+            assert not any("could not ask" in p for p in report["problems"])
+
+
 async def test_client_disconnect_cancels_the_worker_request() -> None:
     async with kvroute(n=1) as s:
         body = {

@@ -24,6 +24,7 @@ when two requests share an id (a client-chosen one that Envoy kept), or after `w
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -40,6 +41,11 @@ _BROKE_DETAILS = "upstream_reset_after_response_started"
 # Envoy sends an entry at once with buffer_size_bytes 0; its default batching flushes every
 # second: a verdict later than this is given up on (the exchange concludes with None).
 WAIT_S = 2.0
+# A request marked as logged (the bootstrap's x-kvroute-access-log) is waited for with no
+# log stream open only until the first one opens, or this long after the first marked
+# request when none ever does: a gateway that passes a client's own mark through and sends
+# no log would otherwise hold every such request's load WAIT_S longer.
+MARK_TRUST_S = 60.0
 
 Conclude = Callable[[str | None], None]
 
@@ -88,11 +94,34 @@ class Endings:
     holds open here. Every exchange that `expect`s an id ends with `forget` or (listening)
     `when_known`: an id stays distrusted while any request that shared it is live."""
 
-    def __init__(self, wait_s: float = WAIT_S, later: Later = _call_later) -> None:
+    def __init__(
+        self,
+        wait_s: float = WAIT_S,
+        later: Later = _call_later,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.wait_s = wait_s
         self.later = later
+        self.clock = clock
         self.streams = 0
+        self.streamed = False  # an access-log stream has opened here since start
+        self._first_mark: float | None = None
         self._slots: dict[str, _Slot] = {}
+
+    def opened(self) -> None:
+        self.streams += 1
+        self.streamed = True
+
+    def closed(self) -> None:
+        self.streams -= 1
+
+    def _trusts_mark(self) -> bool:
+        if self.streamed:
+            return True
+        now = self.clock()
+        if self._first_mark is None:
+            self._first_mark = now
+        return now - self._first_mark < MARK_TRUST_S
 
     def expect(self, rid: str) -> bool:
         """A ticket started under this id; True: this exchange listens for its verdict (the
@@ -130,7 +159,8 @@ class Endings:
         its entry is waited for even while no log stream is open (Envoy opens it at its
         first entry, just after the first requests' streams close)."""
         slot = self._slots.get(rid)
-        if slot is None or slot.shared or slot.told or not (self.streams or logged):
+        waits = self.streams or (logged and self._trusts_mark())
+        if slot is None or slot.shared or slot.told or not waits:
             ending = None if slot is None or slot.shared else slot.ending
             self.forget(rid)
             then(ending)

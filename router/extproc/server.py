@@ -66,8 +66,11 @@ SERVER_OPTIONS = [
 MESSAGE_HEADROOM = 1 << 20
 
 
+GRPC_MAX_MESSAGE = (1 << 31) - 1  # gRPC takes a C int
+
+
 def server_options(max_body_bytes: int) -> list[tuple[str, int]]:
-    cap = max_body_bytes + MESSAGE_HEADROOM
+    cap = min(max_body_bytes + MESSAGE_HEADROOM, GRPC_MAX_MESSAGE)
     return [
         *SERVER_OPTIONS,
         ("grpc.max_receive_message_length", cap),
@@ -122,7 +125,7 @@ class _AccessLog(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
         self.endings = endings
 
     async def StreamAccessLogs(self, messages: AsyncIterator[Any], context: Any) -> Any:
-        self.endings.streams += 1
+        self.endings.opened()
         try:
             async for message in messages:
                 for rid, ending in log_entries(message):
@@ -131,7 +134,7 @@ class _AccessLog(als_pb2_grpc.AccessLogServiceServicer):  # type: ignore[misc]
                     except Exception:  # one bad conclusion must not stop the log
                         log.exception("ext_proc: concluding request %s failed", rid)
         finally:
-            self.endings.streams -= 1
+            self.endings.closed()
         return als_pb2.StreamAccessLogsResponse()
 
 
