@@ -13,6 +13,7 @@ from typing import Any
 
 from router.core.config import (
     CONTENT_FORMATS,
+    ENV_PREFIX,
     MODES,
     POLICIES,
     REMOTE,
@@ -439,7 +440,18 @@ def load_config(args: argparse.Namespace, environ: dict[str, str] | None = None)
         value = getattr(args, name, None)
         if value is not None:
             flags[name] = value
-    return from_mapping(flags, base).validate()
+    merged = from_mapping(flags, base)
+    try:
+        return merged.validate()
+    except ConfigError as err:
+        # a value from the environment is fixed there, not in the YAML file the message
+        # would send the operator to
+        env = os.environ if environ is None else environ
+        field = (err.param or "").split(".")[0].split("[")[0]
+        var = ENV_PREFIX + field.upper()
+        if field and field not in flags and var in env:
+            raise ConfigError(f"{var}={env[var]!r}: {err.message}", param=err.param) from None
+        raise
 
 
 def split_model_flags(values: list[str]) -> tuple[str | None, dict[str, str]]:

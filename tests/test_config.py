@@ -117,6 +117,19 @@ def test_yaml_then_env_then_flags(tmp_path: Path) -> None:
     assert [w.url for w in c2.workers] == ["http://b:1"]  # --worker replaces the YAML list
 
 
+def test_a_value_refused_at_validation_names_its_variable(tmp_path: Path) -> None:
+    """`mode` is checked once the sources are merged: a bad KVROUTE_MODE must be named as
+    the variable, not as the YAML field the operator would look for."""
+    env = {"KVROUTE_MODE": "exact", "KVROUTE_WORKERS": "http://a:1"}
+    with pytest.raises(ConfigError, match=r"^KVROUTE_MODE='exact': "):
+        load_config(args(), env)
+    cfg = tmp_path / "kvroute.yaml"
+    cfg.write_text("workers: [http://a:1]\nmode: exact\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(args(config=cfg), {})
+    assert "KVROUTE_MODE" not in err.value.message  # from the file: named as its field
+
+
 def test_env_values_are_checked() -> None:
     with pytest.raises(ConfigError, match="KVROUTE_PORT"):
         from_env(Config(), {"KVROUTE_PORT": "eighty"})
