@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from router.pd.ledger import Ledger
-from router.pd.verify import Verifier
+from router.pd.verify import Verifier, WorkerAccount
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -57,3 +57,22 @@ async def test_the_sweep_reads_a_decode_worker_that_joined_later() -> None:
     finally:
         task.cancel()
     assert reads.get("C", 0) >= 1 and reads.get("A", 0) >= 2, reads
+
+
+def test_a_data_parallel_decode_worker_removed_mid_leg_is_forgotten() -> None:
+    """The leg started on rank 1 of worker W and ended after W left the fleet: its end is
+    booked on W's ledger (not one of the rank's own), which is then dropped, its totals
+    kept."""
+    handles: dict[str, object] = {"W": object()}
+    pool = SimpleNamespace(
+        handle_of=lambda e: SimpleNamespace(name="W") if "W" in handles else None,
+        handles=handles,
+    )
+    v = Verifier(pool, model=None, metrics=None)  # type: ignore[arg-type]
+    v.started("W#dp1")
+    v.accounts["W"] = WorkerAccount(verified=3)
+    del handles["W"]
+    v.ended("W#dp1", None)
+    v.forget_removed()
+    assert v.ledgers == {} and v.accounts == {}
+    assert v.totals()["verified_handoffs"] == 3

@@ -84,8 +84,9 @@ class Verifier:
         return self.ledgers.setdefault(self._worker(endpoint), Ledger())
 
     def _worker(self, endpoint: str) -> str:
+        """The worker a (data-parallel rank's) endpoint belongs to, removed ones too."""
         h = self.pool.handle_of(endpoint)
-        return h.name if h is not None else endpoint
+        return h.name if h is not None else endpoint.split("#dp", 1)[0]
 
     # ---- the loop ---------------------------------------------------------------------
 
