@@ -394,6 +394,13 @@ class DecisionService:
             # and its silence must not count against its KV events
             self.picker.withdraw(ticket.load)
             return
+        if cached_tokens is not None and ticket.load.expects_events:
+            bs = ticket.decision.score_of(ticket.worker).block_size
+            if cached_tokens // bs >= max(ticket.decision.prompt_tokens - 1, 0) // bs:
+                # its cache held the whole prompt, which the index did not show (a router
+                # that started after the engine cached it, entries past the index's cap):
+                # the engine stores nothing new, and its silence is right
+                self.picker.withdraw(ticket.load)
         self._observe(ticket, cached_tokens, model)
 
     def _release(self, ticket: Ticket) -> None:

@@ -181,6 +181,34 @@ async def test_health_names_a_worker_that_publishes_no_events() -> None:
         )
 
 
+async def test_a_warm_cache_the_index_does_not_show_is_not_silent_events() -> None:
+    """The engine cached the prompt before this router started (no replay reaches that far):
+    repeats of it store nothing, rightly. Their silence is not a worker whose events
+    stopped: auto mode stays on events and /health stays ok."""
+    sim = SimConfig(block_size=16, kv_blocks=512, topic="kv-events", replay_endpoint=None)
+    prompt = "the same long system prompt that every request repeats " * 12
+    body = {"model": "kvroute-sim", "prompt": prompt, "max_tokens": 1}
+    async with run_fleet(1, sim) as fleet:
+        async with httpx.AsyncClient(timeout=30) as direct:
+            assert (await direct.post(fleet.urls[0] + "/v1/completions", json=body)).is_success
+        cfg = Config(
+            workers=(WorkerConfig(fleet.urls[0]),),
+            tokenizer=str(PACKAGED_TOKENIZER),
+            mode="auto",
+            event_grace_s=1.0,
+            scrape_interval_s=0.2,
+            health_check_interval_s=0.2,
+        )
+        app = RouterApp(cfg)
+        async with serve_in_process(app) as url, httpx.AsyncClient(base_url=url) as client:
+            for _ in range(8):
+                resp = await client.post("/v1/completions", json=body)
+                assert cached(resp) > 0
+                await asyncio.sleep(0.3)
+            (report,) = (await client.get("/health")).json()["workers"]
+            assert report["mode"] == "events" and report["status"] == "ok", report
+
+
 async def test_killed_worker_is_ejected_and_requests_go_elsewhere() -> None:
     async with kvroute() as s:
         first = await complete(s.client, DOC)
