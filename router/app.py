@@ -79,7 +79,9 @@ class RouterApp:
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
         )
         self.pool = WorkerPool(config, self.fleet, self.client, self.clock, self.tokenizers)
-        self.sources = WorkerSources(config, self.pool)
+        self.sources = WorkerSources(
+            config, self.pool, role.admin_state if role is not None else None
+        )
         self.metrics = RouterMetrics(str(role.metrics_dir) if role is not None else None)
         self.metrics.attach(self.pool)
         rng = random.Random(config.seed)

@@ -111,6 +111,7 @@ class Control:
             if method == "POST":
                 body = await read_body(receive, 1 << 20)
                 await self._reload_workers(body)
+                self.sources.save_admin_state()
                 await self._fan_out(scope, body)
             elif method != "GET":
                 raise MethodNotAllowed("/admin/workers takes GET or POST")
@@ -191,6 +192,7 @@ class Control:
             known = ", ".join(sorted(self.pool.handles)) or "none"
             raise NotFound(f"unknown worker {name!r}; workers: {known}", param="worker")
         h.set_draining(action == "drain")
+        self.sources.save_admin_state()
         await self._fan_out(scope, b"")
         inflight = sum(self.svc.fleet.load.view(s.name).requests for s in h.states)
         log.warning("worker %s %sed by the admin API (%d in flight)", name, action, inflight)

@@ -66,6 +66,13 @@ class ProcessRole:
         return self.directory / f"admin-{i}.sock"
 
     @property
+    def admin_state(self) -> Path:
+        """The admin API's changes (worker list, drains) as the processes last applied
+        them: a child the supervisor restarts starts from these, not from its command
+        line, or it would route to removed and drained workers its siblings avoid."""
+        return self.directory / "admin-state.json"
+
+    @property
     def siblings(self) -> list[int]:
         return [i for i in range(self.count) if i != self.index]
 

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import logging
 import os
 import socket
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -25,9 +28,10 @@ FILE_POLL_S = 2.0
 
 
 class WorkerSources:
-    def __init__(self, config: Config, pool: WorkerPool) -> None:
+    def __init__(self, config: Config, pool: WorkerPool, admin_state: Path | None = None) -> None:
         self.config = config
         self.pool = pool
+        self.admin_state = admin_state  # `--processes`: the siblings' admin changes
         self.listed: tuple[WorkerConfig, ...] = config.workers  # config, or the admin API
         self.from_file: tuple[WorkerConfig, ...] = ()
         self.from_dns: tuple[WorkerConfig, ...] = ()
@@ -43,6 +47,7 @@ class WorkerSources:
         return tuple(out.values())
 
     async def start(self) -> None:
+        draining = self._read_admin_state()
         if self.config.workers_file:
             self._read_file()
         if self.config.workers_dns:
@@ -53,6 +58,10 @@ class WorkerSources:
         except ConfigError as err:  # the other sources may complete it later
             log.error("worker list at start: %s", err.message)
         await self.pool.start(merged)
+        for name in draining:
+            h = self.pool.handles.get(name)
+            if h is not None:
+                h.set_draining(True)
         if self.config.workers_file:
             self._tasks.append(asyncio.create_task(self._watch_file()))
         if self.config.workers_dns:
@@ -65,6 +74,43 @@ class WorkerSources:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         await self.pool.stop()
+
+    # ---- the admin API's changes, across --processes --------------------------------
+
+    def save_admin_state(self) -> None:
+        """Record the admin API's list and the drained workers (atomically) for a sibling
+        process that starts later."""
+        if self.admin_state is None:
+            return
+        doc = {
+            "listed": [dataclasses.asdict(w) for w in self.listed],
+            "draining": sorted(n for n, h in self.pool.handles.items() if h.draining),
+        }
+        tmp = self.admin_state.with_name(f".{self.admin_state.name}.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # keys in the list
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, self.admin_state)
+
+    def _read_admin_state(self) -> list[str]:
+        """The list and drains the siblings applied (a restarted child); the drained
+        names."""
+        if self.admin_state is None or not self.admin_state.exists():
+            return []
+        try:
+            doc = json.loads(self.admin_state.read_text())
+            self.listed = parse_workers(doc["listed"], "admin state: listed")
+            draining = [str(n) for n in doc.get("draining", [])]
+        except (OSError, ValueError, KeyError, TypeError, ConfigError) as exc:
+            log.error(
+                "admin state %s unreadable (%s): starting from the config", self.admin_state, exc
+            )
+            return []
+        log.warning(
+            "worker list from the admin API, as the other processes applied it: %s",
+            ", ".join(w.name for w in self.listed) or "none",
+        )
+        return draining
 
     async def replace_listed(self, raw: Any) -> tuple[WorkerConfig, ...]:
         """The admin API's new list (URLs or mappings), checked like the config's."""

@@ -140,6 +140,32 @@ def test_an_admin_drain_reaches_every_process(fleet: FleetProcess) -> None:
             assert served != name
 
 
+def test_a_restarted_process_keeps_the_admin_apis_changes(fleet: FleetProcess) -> None:
+    """A child the supervisor restarts starts from the list and drains its siblings
+    applied, not from its command line: else, by which process a connection reaches, a
+    request goes to a removed or a drained worker."""
+    with router(fleet) as r:
+        kept, _ = fleet.urls
+        name = kept.removeprefix("http://")
+        body = {"workers": [kept]}
+        assert fresh(r.url, "/admin/workers", method="POST", json=body, headers=admin(r)).is_success
+        drain = fresh(r.url, f"/admin/workers/{name}/drain", method="POST", headers=admin(r))
+        assert drain.is_success
+        victim = child_by_index(r)[1]
+        os.kill(victim, signal.SIGKILL)
+        until(
+            lambda: len(kids := children_of(r.proc.pid)) == 2 and victim not in kids,
+            15,
+            "the supervisor starts a new process",
+        )
+        until(lambda: processes_answering(r, 20) == {1, 2}, 30, "both answer again")
+        for _ in range(12):
+            listed = fresh(r.url, "/admin/workers", headers=admin(r)).json()["workers"]
+            assert [(w["name"], w["draining"]) for w in listed] == [(name, True)]
+        for i in range(6):
+            assert complete(r.url, f"after the restart {i}").status_code == 503
+
+
 def test_a_killed_process_is_restarted_and_sigterm_stops_all(fleet: FleetProcess) -> None:
     with router(fleet) as r:
         first = children_of(r.proc.pid)
