@@ -335,6 +335,11 @@ class TtlIndex:
             _index_by_until(w, rec[0], [r for r in w.by_until[rec[0]] if r[1]])
         return gone
 
+    def remove_worker(self, worker: str) -> None:
+        """The worker left the fleet: its entries and its cap (kept across forget_worker)."""
+        self.forget_worker(worker)
+        self._caps.pop(worker, None)
+
     def forget_worker(self, worker: str) -> None:
         w = self._workers.pop(worker, None)
         if w is None:

@@ -46,7 +46,7 @@ from router.tokenizers import TokenizerSet
 from router.tracing import DecisionTracer
 from router.upstream import Timeouts, UpstreamPool
 from router.worker_checks import CONTROL_TIMEOUT_S
-from router.workers import WorkerPool
+from router.workers import WorkerHandle, WorkerPool
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -95,6 +95,7 @@ class RouterApp:
             Timeouts(c.request_timeout_s, c.inter_chunk_timeout_s, c.inter_chunk_timeout_s),
         )
         self.pool.on_down.append(lambda h, why: self._abort(h.host, h.port, why))
+        self.pool.on_removed.append(self._forget_worker)
         forwarder = Forwarder(self.upstream, config.worker_header.lower().encode())
         access = AccessLog() if config.access_log else None
         tracer = DecisionTracer(tracer_provider) if config.otel else None
@@ -143,6 +144,12 @@ class RouterApp:
         # stopped before it
         self.doors: list[Any] = []
         self._warm: asyncio.Task[None] | None = None
+
+    def _forget_worker(self, h: WorkerHandle, names: list[str]) -> None:
+        """A worker left the fleet: its metric series, idle connections and log memory."""
+        self.metrics.forget_worker(names)
+        self.upstream.forget(h.host, h.port)
+        self.pool.checks.forget(names)
 
     def _abort(self, host: str, port: int, why: str) -> None:
         n = self.upstream.abort(host, port, why)

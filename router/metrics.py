@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -174,6 +175,7 @@ class RouterMetrics:
             registry=r,
         )
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._parents: dict[int, Any] = {}  # id -> metric, of the children's metrics
         self.inflight = Gauge(
             "kvroute_inflight_requests",
             "Requests this router has in flight",
@@ -188,7 +190,21 @@ class RouterMetrics:
         found = self._children.get(key)
         if found is None:
             found = self._children[key] = metric.labels(*labels)
+            self._parents[id(metric)] = metric
         return found
+
+    def forget_worker(self, names: list[str]) -> None:
+        """Endpoints removed from the fleet: their series go (pods that come back under new
+        addresses would grow them without bound). A request still in flight there keeps
+        its in-flight gauge until it ends; one ending later starts its series anew."""
+        gone = set(names)
+        for key in [k for k in self._children if gone.intersection(k[1])]:
+            metric, child = self._parents[key[0]], self._children[key]
+            if metric is self.inflight and child._value.get() != 0:
+                continue
+            del self._children[key]
+            with contextlib.suppress(KeyError):
+                metric.remove(*key[1])
 
     def count(self, model: str, worker: str, status: int, outcome: str) -> None:
         self.child(self.requests, model, worker, str(status), outcome).inc()

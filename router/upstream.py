@@ -251,6 +251,7 @@ class UpstreamPool:
         self.timeouts = timeouts
         self.max_idle = max_idle
         self._idle: dict[tuple[str, int, bool], list[_Conn]] = {}
+        self._forgotten: set[tuple[str, int, bool]] = set()  # workers gone, requests not
         # connections with a request in flight, so that a worker found dead can fail them now
         self._busy: dict[tuple[str, int, bool], set[_Conn]] = {}
         self._tls: ssl.SSLContext | None = None
@@ -261,6 +262,18 @@ class UpstreamPool:
         if busy is None:
             busy = self._busy[key] = set()
         return busy
+
+    def forget(self, host: str, port: int) -> None:
+        """The worker left the fleet: close its idle connections and drop its keys; its
+        requests in flight finish on theirs, which then close instead of idling."""
+        for key in ((host, port, False), (host, port, True)):
+            for conn in self._idle.pop(key, ()):
+                if conn.transport is not None:
+                    conn.transport.close()
+            if self._busy.get(key):
+                self._forgotten.add(key)
+            else:
+                self._busy.pop(key, None)
 
     def abort(self, host: str, port: int, why: str) -> int:
         """The worker was found dead or hung: fail every request in flight to it. One still
@@ -302,6 +315,14 @@ class UpstreamPool:
         return None
 
     def _release(self, key: tuple[str, int, bool], conn: _Conn) -> None:
+        if key in self._forgotten:  # its worker left the fleet
+            busy = self._busy.get(key)
+            if not busy:
+                self._forgotten.discard(key)
+                self._busy.pop(key, None)
+            if conn.transport is not None:
+                conn.transport.close()
+            return
         if not conn.keep_alive or not conn.usable():
             if conn.transport is not None:
                 conn.transport.close()
@@ -362,6 +383,7 @@ class UpstreamPool:
             len(body),
         )
         data = head + b"".join(k + b": " + v + b"\r\n" for k, v in headers) + b"\r\n" + body
+        self._forgotten.discard(key)  # in the fleet again
         conn = self._acquire_idle(key)
         reused = conn is not None
         for _ in range(2):

@@ -182,6 +182,12 @@ class WorkerChecks:
                 f.state.name, src.running, src.waiting, src.kv_usage, m.num_gpu_blocks, deferred
             )
 
+    def forget(self, names: list[str]) -> None:
+        """Endpoints removed from the fleet."""
+        for name in names:
+            self._last_error_log.pop(name, None)
+            self._told_learns_nothing.discard(name)
+
     def _learns_nothing(self, worker: str, role: str) -> None:
         """Say once per worker why its batch limit is never learned, and what to set."""
         if not self.pool.config.busy_learn_batch or worker in self._told_learns_nothing:

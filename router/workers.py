@@ -136,6 +136,10 @@ class WorkerPool:
         # called when a worker is taken out of rotation as dead or hung (the app fails the
         # requests in flight to it, so they can be retried elsewhere)
         self.on_down: list[Callable[[WorkerHandle, str], None]] = []
+        # told each worker removed from the list (its endpoints' names): what is kept per
+        # worker elsewhere goes with it, or pods that come and go under new addresses grow
+        # it without bound
+        self.on_removed: list[Callable[[WorkerHandle, list[str]], None]] = []
         self._zmq: zmq.asyncio.Context | None = None  # made in start(), destroyed in stop()
         self._loops: list[asyncio.Task[None]] = []
 
@@ -182,8 +186,11 @@ class WorkerPool:
             h = self.handles.pop(name)
             async with h.lock:  # a rediscovery in flight subscribes first, then stops here
                 await self._stop_feeds(h)
-            for state in h.states:
-                self.fleet.remove(state.name)
+            names = [state.name for state in h.states]
+            for name in names:
+                self.fleet.remove(name)
+            for hook in self.on_removed:
+                hook(h, names)
         new = [w for name, w in wanted.items() if name not in self.handles]
         for w in new:
             self.handles[w.name] = self._handle(w)

@@ -9,16 +9,25 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from router.pd.ledger import Ledger
+from router.pd.metrics import PDMetrics
 from router.pd.verify import Verifier, WorkerAccount
 
 pytestmark = pytest.mark.timeout(30)
 
 
+class _Every(dict[str, object]):
+    """A pool's handles where every worker is still in the fleet."""
+
+    def __contains__(self, key: object) -> bool:
+        return True
+
+
 def _verifier(decode: list[str]) -> tuple[Verifier, dict[str, int]]:
     reads: dict[str, int] = {}
-    pool = SimpleNamespace(handle_of=lambda e: None, handles={})
+    pool = SimpleNamespace(handle_of=lambda e: None, handles=_Every())
     v = Verifier(pool, model=None, metrics=None, interval_s=0.01, sweep_s=0.3)  # type: ignore[arg-type]
     v.decode_workers = lambda: decode
 
@@ -68,7 +77,9 @@ def test_a_data_parallel_decode_worker_removed_mid_leg_is_forgotten() -> None:
         handle_of=lambda e: SimpleNamespace(name="W") if "W" in handles else None,
         handles=handles,
     )
-    v = Verifier(pool, model=None, metrics=None)  # type: ignore[arg-type]
+    metrics = PDMetrics(CollectorRegistry(), dict, owner=True)
+    v = Verifier(pool, model=None, metrics=metrics)  # type: ignore[arg-type]
+    metrics.verified.labels("W").inc(3)
     v.started("W#dp1")
     v.accounts["W"] = WorkerAccount(verified=3)
     del handles["W"]
@@ -76,3 +87,4 @@ def test_a_data_parallel_decode_worker_removed_mid_leg_is_forgotten() -> None:
     v.forget_removed()
     assert v.ledgers == {} and v.accounts == {}
     assert v.totals()["verified_handoffs"] == 3
+    assert 'worker="W"' not in generate_latest(metrics.verified).decode()  # its series too

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -593,3 +594,24 @@ async def test_otel_span_per_decision_joins_the_clients_trace() -> None:
     assert span.attributes is not None
     assert span.attributes["kvroute.worker"] == resp.headers["x-kvroute-worker"]
     assert span.attributes["kvroute.prompt_tokens"] > 100
+
+
+async def test_a_removed_worker_leaves_no_series_caps_or_connections_behind() -> None:
+    """Pods that come back under new addresses (DNS, rollouts) must not grow the router's
+    metrics, index caps or connection pool without bound."""
+    async with kvroute() as s:
+        ports = [w.port for w in s.fleet.workers]
+        for rnd, host in enumerate(["localhost", "127.0.0.1", "localhost"]):
+            urls = [f"http://{host}:{p}" for p in ports]
+            resp = await s.client.post("/admin/workers", json={"workers": urls})
+            assert resp.status_code == 200, resp.text
+            for i in range(4):
+                assert (await complete(s.client, f"round {rnd} request {i} " * 8)).is_success
+        current = set(s.app.fleet.workers)
+        assert current == {f"localhost:{p}" for p in ports}
+        text = (await s.client.get("/metrics")).text
+        named = {m for m in re.findall(r'worker="([^"]+)"', text)} - {"none"}
+        assert named <= current, named - current
+        for believed in (s.app.fleet.predictions, s.app.fleet.approx):
+            assert set(believed._caps) <= current
+        assert {f"{h}:{p}" for h, p, _ in s.app.upstream._idle} <= current

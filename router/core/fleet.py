@@ -88,6 +88,8 @@ class FleetState:
         self.forget_cache(name)
         self.workers.pop(name, None)
         self.index.remove_worker(name)
+        self.predictions.remove_worker(name)
+        self.approx.remove_worker(name)
         self.load.forget(name)
 
     def set_capacity(self, name: str, blocks: int) -> None:

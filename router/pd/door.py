@@ -90,6 +90,7 @@ class PDDoor:
         sweep_s = SWEEP_S if role_from_env() is not None and counts_worker_totals() else None
         self.verifier = Verifier(self.pool, self.model, self.metrics, sweep_s=sweep_s)
         self.verifier.decode_workers = self._decode_endpoints
+        self.pool.on_removed.append(lambda h, names: self.verifier.forget_removed())
         # prefill worker -> (legs failed in a row there, the last failure)
         self._prefill_failures: dict[str, tuple[int, str]] = {}
         # the proxy's bookkeeping of each answer (router.proxy.Proxy.answered), set where

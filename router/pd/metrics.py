@@ -7,6 +7,7 @@ multiply the sum by the processes)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,6 +28,16 @@ class _NotCounted:
 
     def inc(self, amount: float = 1) -> None:
         pass
+
+    def remove(self, *labels: str) -> None:
+        pass
+
+
+def forget_worker(metrics: PDMetrics, worker: str) -> None:
+    """A decode worker left the fleet: its series of the per-worker totals go too."""
+    for counter in (metrics.verified, metrics.silent, metrics.failed_pulls, metrics.kv_bytes):
+        with contextlib.suppress(KeyError):
+            counter.remove(worker)
 
 
 class PDMetrics:

@@ -22,7 +22,7 @@ import httpx
 
 from engines.sim.pd_metrics import PDSnapshot, pd_snapshot
 from router.pd.ledger import Ledger, Outcome
-from router.pd.metrics import PDMetrics
+from router.pd.metrics import PDMetrics, forget_worker
 from router.pd.model import CostModel
 from router.workers import WorkerPool
 
@@ -193,6 +193,7 @@ class Verifier:
         live = self.pool.handles
         for w in [w for w, led in self.ledgers.items() if w not in live and led.inflight <= 0]:
             del self.ledgers[w]
+            forget_worker(self.metrics, w)
             gone = self.accounts.pop(w, None)
             if gone is not None:
                 r = self.retired
