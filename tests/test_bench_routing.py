@@ -103,6 +103,35 @@ def test_placement_pins_groups_and_spreads_hot_ones(
     assert len(set(place[:4])) == expected_homes
 
 
+class _Digits:
+    """A tokenizer whose tokens are the prompt's numbers: block contents by hand."""
+
+    def completion(self, prompt: str) -> list[int]:
+        return [int(x) for x in prompt.split()]
+
+
+def test_the_ideal_places_groups_by_their_cache_footprint_where_that_is_better() -> None:
+    """Two caches of 6 blocks; group a: 20 requests on a 1-block prefix, groups b and c: 3
+    each on a 5-block prefix. Balancing prompt tokens puts b and c on one cache, where
+    they evict each other; each needs a cache of its own (a fits beside either)."""
+    reqs = [workloads.Request(f"1 1 {100 + k}", "a", 1) for k in range(20)]
+    for k in range(3):
+        reqs.append(workloads.Request("2 " * 10 + str(200 + k), "b", 1))
+        reqs.append(workloads.Request("3 " * 10 + str(300 + k), "c", 1))
+    w = workloads.Workload("t", 2, 7, 1, [[[r] for r in reqs]], block_size=2)
+    order = ideal.replay_order(w)
+    tok = _Digits()
+    ids = {r.prompt: tok.completion(r.prompt) for r in order}
+    by_tokens = ideal.replay(
+        w, order, ids, ideal.placement(w, {p: len(t) for p, t in ids.items()}, order)
+    )
+    assert round(by_tokens, 3) == 0.365
+    assert round(ideal.ideal_fraction(w, tok), 3) == 0.619  # type: ignore[arg-type]
+    route = ideal.oracle_route(w, tok)  # type: ignore[arg-type]
+    homes = {g: {route(r) for r in order if r.group == g} for g in "abc"}
+    assert homes["b"] != homes["c"]
+
+
 def test_ideal_of_the_seed_workload_is_near_every_repeat_hitting() -> None:
     w = workloads.build("seed", 0, 0.25)
     # 3 prefixes x 2 requests: every second request hits all but its question's tail

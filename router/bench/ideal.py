@@ -3,9 +3,12 @@ affinity would get from engines with these caches, replayed in a simplified orde
 reference, not a bound: measured placements can do a little better (on hot-prefix the
 engines' own order and batching do) or worse (blocks that running requests hold).
 
-Placement: each group (shared prefix, conversation) lives on one worker, groups spread so
-every worker gets about the same prompt tokens (largest first); a group the workload marks
-for `replicas` workers alternates over that many, request by request. Caches: per worker an
+Placement: each group (shared prefix, conversation) lives on one worker; a group the
+workload marks for `replicas` workers alternates over that many, request by request. Two
+placements are replayed and the better kept: groups spread so every worker gets about the
+same prompt tokens (largest first), and groups spread by their cache footprint (largest
+first onto the worker with the most cache left), which wins where prefixes differ in length
+and in demand. Caches: per worker an
 LRU of `kv_blocks - 1` blocks (vLLM's null block excluded), keyed by the real chained token
 blocks; a request hits its leading blocks present (capped below its last token, as vLLM
 serves), then touches its blocks tail first so the head is the last to go, as vLLM frees them.
@@ -28,10 +31,27 @@ from router.tokenize import PACKAGED_TOKENIZER, LocalTokenizer
 
 
 def ideal_fraction(w: Workload, tok: LocalTokenizer | None = None) -> float:
+    return best_placement(w, tok)[1]
+
+
+def best_placement(w: Workload, tok: LocalTokenizer | None = None) -> tuple[list[int], float]:
+    """The better of the two placements (`placement`, `placement_by_footprint`) by the
+    replay, with its cached fraction: even prompt tokens suit groups of one size, even
+    cache footprints groups whose prefixes differ in length and in demand."""
     tok = tok or LocalTokenizer(PACKAGED_TOKENIZER)
     order = replay_order(w)
     ids = {r.prompt: tok.completion(r.prompt) for r in order}
-    place = placement(w, {r.prompt: len(ids[r.prompt]) for r in order}, order)
+    lengths = {p: len(t) for p, t in ids.items()}
+    candidates = [placement(w, lengths, order), placement_by_footprint(w, lengths, order)]
+    scored = [(replay(w, order, ids, place), place) for place in candidates]
+    fraction, place = max(scored, key=lambda s: s[0])  # the first on a tie
+    return place, fraction
+
+
+def replay(
+    w: Workload, order: Sequence[Request], ids: dict[str, list[int]], place: list[int]
+) -> float:
+    """The cached-token fraction of `order` with request i on worker `place[i]`."""
     caches = [Lru(w.kv_blocks - 1) for _ in range(w.workers)]
     cached = prompt = 0
     for i, r in enumerate(order):
@@ -48,9 +68,8 @@ def oracle_route(w: Workload, tok: LocalTokenizer | None = None) -> Callable[[Re
     each request straight to that worker). Keyed by the text and how many times it was asked
     before: a text a workload file repeats in a group spread over replicas alternates as
     the ideal's copies do, where a key of the text alone sent every copy to one worker."""
-    tok = tok or LocalTokenizer(PACKAGED_TOKENIZER)
     order = replay_order(w)
-    place = placement(w, {r.prompt: len(tok.completion(r.prompt)) for r in order}, order)
+    place, _ = best_placement(w, tok)
     homes: dict[str, list[int]] = {}
     for i, r in enumerate(order):
         homes.setdefault(r.prompt, []).append(place[i])
@@ -86,6 +105,38 @@ def placement(w: Workload, lengths: dict[str, int], order: Sequence[Request]) ->
         n = min(w.replicas.get(group, 1), w.workers)
         chosen = sorted(range(w.workers), key=lambda i: (load[i], i))[:n]
         for i in chosen:
+            load[i] += weight[group] / n
+        homes[group] = chosen
+    seen: dict[str, int] = {}
+    out = []
+    for r in order:
+        k = seen.get(r.group, 0)
+        seen[r.group] = k + 1
+        out.append(homes[r.group][k % len(homes[r.group])])
+    return out
+
+
+def placement_by_footprint(
+    w: Workload, lengths: dict[str, int], order: Sequence[Request]
+) -> list[int]:
+    """Worker index per request in `order`: groups by their cache footprint (their longest
+    prompt, in blocks), largest first, onto the worker with the most cache left, then the
+    fewest prompt tokens: a long prefix asked a few times gets room of its own where the
+    token-balanced placement stacks two of them on one cache."""
+    footprint: dict[str, int] = {}
+    weight: dict[str, int] = {}
+    for r in order:
+        blocks = -(-lengths[r.prompt] // w.block_size)
+        footprint[r.group] = max(footprint.get(r.group, 0), blocks)
+        weight[r.group] = weight.get(r.group, 0) + lengths[r.prompt]
+    room = [float(w.kv_blocks - 1)] * w.workers
+    load = [0.0] * w.workers
+    homes: dict[str, list[int]] = {}
+    for group in sorted(footprint, key=lambda g: (-footprint[g], -weight[g], g)):
+        n = min(w.replicas.get(group, 1), w.workers)
+        chosen = sorted(range(w.workers), key=lambda i: (-room[i], load[i], i))[:n]
+        for i in chosen:
+            room[i] -= footprint[group]
             load[i] += weight[group] / n
         homes[group] = chosen
     seen: dict[str, int] = {}
