@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 from dataclasses import replace
@@ -107,8 +108,10 @@ def _register_routing(bsub: argparse._SubParsersAction[argparse.ArgumentParser])
             "Peers missing from the bench venv ($KVROUTE_PEERS_VENV, default "
             "~/.cache/kvroute/bench-peers) are pip-installed there first, once per invocation; "
             "--no-install never installs. Exit status 1 when a router asked for (by --routers "
-            "or the default) was skipped or failed, after the table and JSON of the rest; "
-            "2 for options that cannot run together, before anything starts.",
+            "or the default) was skipped or failed, or lost requests (its figures would be "
+            "the answered ones': they are not compared), after the table and JSON of the "
+            "rest; 2 for options that cannot run together or a bad --workload-file or "
+            "--scale, before anything starts.",
             width=88,
         ),
         epilog=epilog,
@@ -154,7 +157,7 @@ def _register_routing(bsub: argparse._SubParsersAction[argparse.ArgumentParser])
         "conformance/setup_vllm.sh)",
     )
     rt.add_argument(
-        "--scale", type=float, default=1.0, help="shrink the built-in workloads (tests)"
+        "--scale", type=float, default=1.0, help="shrink the built-in workloads, (0, 1] (tests)"
     )
     rt.add_argument("--config", type=Path, help="kvroute.yaml for kvroute's own routers")
     rt.add_argument(
@@ -272,12 +275,25 @@ def _refuse(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
+def _loopback_unproxied() -> None:
+    """Everything the bench talks to is on loopback: with HTTP_PROXY set (as pip may need
+    it, for the peers' install) and no NO_PROXY for it, every readiness check and every
+    router's call to its engines went to the proxy, and every router failed to start."""
+    for var in ("NO_PROXY", "no_proxy"):
+        given = [h for h in os.environ.get(var, "").split(",") if h.strip()]
+        os.environ[var] = ",".join(dict.fromkeys([*given, "127.0.0.1", "localhost", "::1"]))
+
+
 def _routing(args: argparse.Namespace) -> int:
     from router.bench.routing import PlanError, check, missing, plan_for, run
     from router.bench.workloads import GENERATORS
 
     if args.runs < 1:
         _refuse("--runs must be >= 1")
+    _loopback_unproxied()
+    if not 0 < args.scale <= 1:
+        # larger prompts on the same caches would be another workload than the one named
+        _refuse(f"--scale {args.scale:g}: give a fraction in (0, 1] (1: the workloads as named)")
     if args.write_workload is not None:
         return _write_workload(args)
     files = _workload_files(args)
@@ -308,7 +324,8 @@ def _routing(args: argparse.Namespace) -> int:
     lost = missing(run(plan, args.json, args.plot))
     if lost:  # after the table and the JSON of what did run
         print(
-            f"kvroute bench routing: did not run (the table says why): {', '.join(lost)}",
+            "kvroute bench routing: did not run, or lost requests (the table says why; "
+            f"their figures are not compared): {', '.join(lost)}",
             file=sys.stderr,
         )
     return 1 if lost else 0
@@ -329,9 +346,9 @@ def _workload_files(args: argparse.Namespace) -> dict[str, FileWorkload]:
         try:
             found = load(path)
         except WorkloadFileError as exc:
-            raise SystemExit(f"--workload-file: {exc}") from None
+            _refuse(f"--workload-file: {exc}")
         if found.name in GENERATORS or found.name in files:
-            raise SystemExit(
+            _refuse(
                 f"--workload-file: {path} names its workload {found.name!r}, which is "
                 'already taken; set another with the header\'s "workload" key'
             )

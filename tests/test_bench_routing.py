@@ -276,6 +276,28 @@ def test_paired_comparison_is_run_by_run_against_each_peer() -> None:
     }
 
 
+def test_a_row_that_lost_requests_is_not_compared_and_fails_the_command() -> None:
+    """Its figures are its answered requests': a router that shed most of them (429s)
+    would look faster than one that served them all."""
+
+    def row(errors: int) -> dict[str, object]:
+        return {
+            "ttft_p90_ms_runs": [50.0, 60.0, 70.0],
+            "cached_fraction_runs": [0.7, 0.7, 0.7],
+            "errors": errors,
+        }
+
+    routers = {"kvroute": row(15), "sglang-router-cache_aware": row(0)}
+    assert routing.paired(routers, with_config(None)) == {}
+    report = {"workloads": {"w": {"ideal": 0.8, "routers": routers}}, "replicas": {}}
+    assert routing.missing(report) == ["w / kvroute (15 failed requests)"]
+    routers["kvroute"] = row(0)
+    assert set(routing.paired(routers, with_config(None))) == {
+        "kvroute vs sglang-router-cache_aware"
+    }
+    assert routing.missing(report) == []
+
+
 def test_the_paired_interval_is_the_sign_tests_and_tells_a_difference_from_noise(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -400,7 +422,7 @@ def test_a_router_that_did_not_run_fails_the_command_after_the_table(
     assert "pip install sglang-router==0.3.2" in skipped and "--routers" in skipped, skipped
     printed = capsys.readouterr()
     assert "sglang-router-cache_aware   skipped: sglang-router not installed" in printed.out
-    assert "did not run (the table says why): seed / sglang-router-cache_aware" in printed.err
+    assert "their figures are not compared): seed / sglang-router-cache_aware" in printed.err
 
 
 def test_a_figure_is_rounded_once_from_the_measured_value(tmp_path: Path) -> None:
@@ -493,6 +515,22 @@ def test_routers_take_turns_run_by_run_and_a_failing_one_is_a_row(
     assert out["routers"]["random"]["skipped"].startswith("failed: router died")
     assert out["routers"]["kvroute"]["ttft_p90_ms_runs"] == [2.0, 3.0, 4.0]
     assert list(out["routers"]) == ["kvroute", "random", "round_robin"]
+
+
+def test_the_diagnosis_of_a_peer_router_shows_no_placement_it_cannot_know(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Peers name no worker on their responses: no "groups homed per worker: [0, 0]"."""
+    from router.bench.driver import DriveResult
+    from router.bench.routing_diag import report
+
+    w = workloads.build("seed", 0, 0.25)
+    samples = [Sample(10.0, [], 32, 64, group=f"g{i % 2}") for i in range(6)]
+    stats = [{"blocks_evicted": 0}] * w.workers
+    cached = report(w, DriveResult(samples), {}, {}, [1, 1], stats)
+    out = capsys.readouterr().out
+    assert cached == 0.5
+    assert "placement: not known" in out and "groups homed per worker" not in out
 
 
 def test_the_diagnosis_tells_a_cold_start_tail_from_a_steady_one() -> None:

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -152,12 +153,15 @@ def kvroute(*args: str) -> subprocess.CompletedProcess[str]:
 def test_the_command_refuses_a_bad_file_and_a_taken_name_before_starting(tmp_path: Path) -> None:
     bad = write(tmp_path / "bad.jsonl", [{"prompt": "a", "max_token": 3}])
     out = kvroute("--workload-file", str(bad), "--no-install")
-    assert out.returncode != 0 and "bad.jsonl:1: unknown request key 'max_token'" in out.stderr
+    assert out.returncode == 2 and "bad.jsonl:1: unknown request key 'max_token'" in out.stderr
     taken = write(tmp_path / "t.jsonl", [{"workload": "seed"}, {"prompt": "a"}])
     out = kvroute("--workload-file", str(taken), "--no-install")
-    assert out.returncode != 0 and "'seed', which is already taken" in out.stderr
+    assert out.returncode == 2 and "'seed', which is already taken" in out.stderr
     out = kvroute("--workload", "seed", "--replicas", "nope", "--no-install")
     assert out.returncode == 2 and "--replicas: no workload 'nope'" in out.stderr
+    for scale in ("0", "-1", "2"):
+        out = kvroute("--workload", "seed", "--scale", scale, "--no-install")
+        assert out.returncode == 2 and "give a fraction in (0, 1]" in out.stderr
 
 
 @pytest.mark.slow
@@ -186,3 +190,18 @@ def test_a_hand_written_file_runs_through_the_routers(tmp_path: Path) -> None:
     assert kv["errors"] == 0 and sum(kv["requests_per_worker"]) == 12
     assert kv["cached_fraction"] > rr["cached_fraction"] + 0.1, (kv, rr)
     assert kv["cached_fraction"] <= doc["workloads"]["docs"]["ideal"] + 0.01
+
+
+def test_the_bench_keeps_loopback_off_any_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HTTP_PROXY set for pip (the peers' install) must not send the bench's own loopback
+    calls, nor its routers', to the proxy."""
+    from router.bench_cli import _loopback_unproxied
+
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("NO_PROXY", "internal.example")
+    monkeypatch.delenv("no_proxy", raising=False)
+    _loopback_unproxied()
+    _loopback_unproxied()  # twice: nothing repeated
+    assert os.environ["NO_PROXY"] == "internal.example,127.0.0.1,localhost,::1"
+    assert os.environ["no_proxy"] == "127.0.0.1,localhost,::1"
+    assert urllib.request.proxy_bypass_environment("127.0.0.1")

@@ -32,12 +32,19 @@ def paired(routers: dict[str, Any], peers: Collection[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for ours in OURS:
         a = routers.get(ours, {})
-        if "skipped" in a or not a:
+        if not comparable(a):
             continue
         for name, b in routers.items():
-            if "skipped" not in b and name in peers:
+            if name in peers and comparable(b):
                 out[f"{ours} vs {name}"] = entry(a, b)
     return out
+
+
+def comparable(row: dict[str, Any]) -> bool:
+    """A row that ran, every request answered: a row's figures are its answered requests',
+    so one whose router refused or lost some (429s, a router that died) would look faster
+    than one that served them all."""
+    return bool(row) and "skipped" not in row and not row.get("errors")
 
 
 def entry(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:

@@ -206,12 +206,20 @@ def paired(routers: dict[str, Any], targets: dict[str, Target]) -> dict[str, Any
 
 def missing(report: dict[str, Any]) -> list[str]:
     """`WORKLOAD / ROUTER` of every planned row that did not run (skipped or failed; the
-    row says why)."""
+    row says why), or ran with failed requests (its figures are the answered ones': not
+    comparable, and left out of the paired comparisons)."""
     out = []
-    for name, wl in report["workloads"].items():
-        out += [f"{name} / {r}" for r, x in wl["routers"].items() if "skipped" in x]
-    for name, pair in report["replicas"].items():
-        out += [f"{name} / kvroute x {k}" for k, x in pair.items() if "skipped" in x]
+    rows = [
+        *((f"{name} / {r}", x) for name, wl in report["workloads"].items()
+          for r, x in wl["routers"].items()),
+        *((f"{name} / kvroute x {k}", x) for name, pair in report["replicas"].items()
+          for k, x in pair.items()),
+    ]  # fmt: skip
+    for label, row in rows:
+        if "skipped" in row:
+            out.append(label)
+        elif row.get("errors"):
+            out.append(f"{label} ({row['errors']} failed requests)")
     return out
 
 

@@ -254,6 +254,13 @@ def report(
     per_worker = collections.Counter(homes.values())
     split = sum(1 for v in spread.values() if len(v) > 1)
     print(f"\nrun: cached {cached:.4f} (ideal {ideal_fraction(w):.4f}), errors {result.errors}")
+    if s and all(x.worker is None for x in s):
+        # a peer router names no worker on its responses: no placement to show, rather
+        # than every group "homed" nowhere
+        print("  placement: not known (this router names no worker on its responses)")
+        print(f"  evicted blocks per engine: {[st['blocks_evicted'] for st in stats]}")
+        print(f"  groups whose whole prefix each engine holds at the end: {truth}")
+        return round(cached, 4)
     print(f"  groups homed per worker: {[per_worker.get(i, 0) for i in range(w.workers)]}")
     print(f"  groups split over >1 worker: {split} of {len(spread)}")
     in_order = sorted(s, key=lambda x: x.sent)
