@@ -107,13 +107,7 @@ def placement(w: Workload, lengths: dict[str, int], order: Sequence[Request]) ->
         for i in chosen:
             load[i] += weight[group] / n
         homes[group] = chosen
-    seen: dict[str, int] = {}
-    out = []
-    for r in order:
-        k = seen.get(r.group, 0)
-        seen[r.group] = k + 1
-        out.append(homes[r.group][k % len(homes[r.group])])
-    return out
+    return per_request(homes, order)
 
 
 def placement_by_footprint(
@@ -139,6 +133,12 @@ def placement_by_footprint(
             room[i] -= footprint[group]
             load[i] += weight[group] / n
         homes[group] = chosen
+    return per_request(homes, order)
+
+
+def per_request(homes: dict[str, list[int]], order: Sequence[Request]) -> list[int]:
+    """Worker index per request in `order`: its group's home, alternating over a group's
+    homes request by request."""
     seen: dict[str, int] = {}
     out = []
     for r in order:
