@@ -110,8 +110,7 @@ class Control:
             self._authorize(scope)
             if method == "POST":
                 body = await read_body(receive, 1 << 20)
-                await self._reload_workers(body)
-                self.sources.save_admin_state()
+                await self._reload_workers(body)  # saved for later siblings as it is set
                 await self._fan_out(scope, body)
             elif method != "GET":
                 raise MethodNotAllowed("/admin/workers takes GET or POST")

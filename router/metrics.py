@@ -176,6 +176,7 @@ class RouterMetrics:
         )
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._parents: dict[int, Any] = {}  # id -> metric, of the children's metrics
+        self._retiring: set[str] = set()  # removed workers with requests still in flight
         self.inflight = Gauge(
             "kvroute_inflight_requests",
             "Requests this router has in flight",
@@ -196,15 +197,33 @@ class RouterMetrics:
     def forget_worker(self, names: list[str]) -> None:
         """Endpoints removed from the fleet: their series go (pods that come back under new
         addresses would grow them without bound). A request still in flight there keeps
-        its in-flight gauge until it ends; one ending later starts its series anew."""
+        its in-flight gauge until it ends (`inflight_done`); one ending later starts its
+        series anew. Under --processes the series live in prometheus_client's files, which
+        it cannot remove from: they stay."""
+        if self.multiprocess_dir is not None:
+            return
         gone = set(names)
         for key in [k for k in self._children if gone.intersection(k[1])]:
             metric, child = self._parents[key[0]], self._children[key]
             if metric is self.inflight and child._value.get() != 0:
+                self._retiring.add(key[1][0])
                 continue
-            del self._children[key]
-            with contextlib.suppress(KeyError):
-                metric.remove(*key[1])
+            self._drop(key)
+
+    def inflight_done(self, worker: str) -> None:
+        """A request there ended: one fewer in flight (and the series goes with the last of
+        a removed worker's)."""
+        child = self.child(self.inflight, worker)
+        child.dec()
+        if worker in self._retiring and child._value.get() == 0:
+            self._retiring.discard(worker)
+            self._drop((id(self.inflight), (worker,)))
+
+    def _drop(self, key: tuple[int, tuple[str, ...]]) -> None:
+        metric = self._parents[key[0]]
+        del self._children[key]
+        with contextlib.suppress(KeyError):
+            metric.remove(*key[1])
 
     def count(self, model: str, worker: str, status: int, outcome: str) -> None:
         self.child(self.requests, model, worker, str(status), outcome).inc()

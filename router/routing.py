@@ -394,19 +394,22 @@ class DecisionService:
             # and its silence must not count against its KV events
             self.picker.withdraw(ticket.load)
             return
-        if cached_tokens is not None and ticket.load.expects_events:
+        if cached_tokens and ticket.load.expects_events and ticket.decision.request.n == 1:
             bs = ticket.decision.score_of(ticket.worker).block_size
-            if cached_tokens // bs >= max(ticket.decision.prompt_tokens - 1, 0) // bs:
-                # its cache held the whole prompt, which the index did not show (a router
-                # that started after the engine cached it, entries past the index's cap):
-                # the engine stores nothing new, and its silence is right
+            full = ticket.decision.prompt_tokens // bs
+            if full and cached_tokens // bs >= full:
+                # its cache held every full block of the prompt, which the index did not
+                # show (a router started after the engine cached it, entries past the
+                # index's cap): the engine stores nothing new, and its silence is right. A
+                # prompt of whole blocks never qualifies: vLLM recomputes and stores its
+                # last block again. Nor do n > 1 requests: their count is a sibling's hits
                 self.picker.withdraw(ticket.load)
         self._observe(ticket, cached_tokens, model)
 
     def _release(self, ticket: Ticket) -> None:
         ticket.done = True
         self.fleet.load.finish(ticket.load)
-        self.metrics.child(self.metrics.inflight, ticket.worker).dec()
+        self.metrics.inflight_done(ticket.worker)
 
     def model_label(self, model: str) -> str:
         """Metric labels only take names the fleet serves: clients choose the model field."""

@@ -20,6 +20,7 @@ from router.core.config import (
     Config,
     from_env,
     from_mapping,
+    shown,
 )
 from router.core.errors import ConfigError
 
@@ -450,7 +451,7 @@ def load_config(args: argparse.Namespace, environ: dict[str, str] | None = None)
         field = (err.param or "").split(".")[0].split("[")[0]
         var = ENV_PREFIX + field.upper()
         if field and field not in flags and var in env:
-            raise ConfigError(f"{var}={env[var]!r}: {err.message}", param=err.param) from None
+            raise ConfigError(f"{shown(var, env[var])}: {err.message}", param=err.param) from None
         raise
 
 

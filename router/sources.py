@@ -107,8 +107,9 @@ class WorkerSources:
             )
             return []
         log.warning(
-            "worker list from the admin API, as the other processes applied it: %s",
-            ", ".join(w.name for w in self.listed) or "none",
+            "worker list and drains as the other processes last applied them: %s%s",
+            ", ".join(w.name for w in self.listed) or "none listed",
+            f"; draining {', '.join(draining)}" if draining else "",
         )
         return draining
 
@@ -137,6 +138,9 @@ class WorkerSources:
 
     async def _set(self, merged: tuple[WorkerConfig, ...], origin: str) -> None:
         await self.pool.set_workers(merged)
+        # a worker removed and added again (a file, DNS) comes back undrained: so must it
+        # in a sibling that starts later
+        self.save_admin_state()
         log.warning("worker list from %s: %s", origin, ", ".join(w.name for w in merged) or "none")
 
     # ---- file ------------------------------------------------------------------------

@@ -272,8 +272,10 @@ class UpstreamPool:
                     conn.transport.close()
             if self._busy.get(key):
                 self._forgotten.add(key)
-            else:
-                self._busy.pop(key, None)
+        # keys left by requests that ended without a release (abandoned, aborted): empty
+        for key in [k for k, busy in self._busy.items() if not busy]:
+            del self._busy[key]
+            self._forgotten.discard(key)
 
     def abort(self, host: str, port: int, why: str) -> int:
         """The worker was found dead or hung: fail every request in flight to it. One still

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from router.core.config import Config, WorkerConfig, env_notes, from_env, from_mapping
+from router.core.config import (
+    Config,
+    WorkerConfig,
+    env_notes,
+    from_env,
+    from_mapping,
+    shown,
+)
 from router.core.errors import ConfigError
 from router.serve_cli import load_config
 
@@ -244,3 +251,11 @@ def test_a_misspelt_variable_is_named_with_the_nearest_setting() -> None:
         "KVROUTE_DRAIN_TIMEOUT is not a kvroute setting and is ignored: did you mean "
         "KVROUTE_DRAIN_TIMEOUT_S?",
     ]
+
+
+def test_a_variable_that_may_hold_a_secret_is_named_without_its_value() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(args(), {"KVROUTE_WORKERS": "ftp://a:1"})
+    assert err.value.message.startswith("KVROUTE_WORKERS (value not shown): ")
+    assert shown("KVROUTE_ADMIN_TOKEN", "t0k") == "KVROUTE_ADMIN_TOKEN (value not shown)"
+    assert shown("KVROUTE_MODE", "exact") == "KVROUTE_MODE='exact'"

@@ -210,6 +210,32 @@ async def test_a_warm_cache_the_index_does_not_show_is_not_silent_events() -> No
             assert report["mode"] == "events" and report["status"] == "ok", report
 
 
+@pytest.mark.parametrize("n", [1, 2])
+async def test_cold_prompts_whose_events_never_come_are_still_named(n: int) -> None:
+    """The other side of the warm cache: cold prompts with n=2 report a sibling's hits
+    (every block cached but the sampled tail), which is no sign of a warm cache; their
+    events, sent to a dead port, must still be missed."""
+    from router.procs import free_port
+
+    async with run_fleet(1, SimConfig(block_size=16, kv_blocks=512, topic="kv-events")) as fleet:
+        worker = WorkerConfig(fleet.urls[0], events=f"tcp://127.0.0.1:{free_port()}")
+        cfg = Config(
+            workers=(worker,),
+            tokenizer=str(PACKAGED_TOKENIZER),
+            mode="events",
+            event_grace_s=1.0,
+            health_check_interval_s=0.2,
+        )
+        app = RouterApp(cfg)
+        async with serve_in_process(app) as url, httpx.AsyncClient(base_url=url) as client:
+            for i in range(4):
+                prompt = " ".join(f"w{i}x{j}" for j in range(40))
+                assert (await complete(client, prompt, n=n)).is_success
+            await asyncio.sleep(1.5)
+            (report,) = (await client.get("/health")).json()["workers"]
+            assert report["status"] == "unhealthy", report
+
+
 async def test_killed_worker_is_ejected_and_requests_go_elsewhere() -> None:
     async with kvroute() as s:
         first = await complete(s.client, DOC)

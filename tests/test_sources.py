@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from router.core.config import Config, WorkerConfig
 from router.core.errors import ConfigError
 from router.procs import serve_in_process
 from router.serve_cli import load_config, split_model_flags
+from router.sources import WorkerSources
 from router.tokenize import PACKAGED_TOKENIZER
 
 pytestmark = pytest.mark.timeout(120)
@@ -149,3 +151,31 @@ async def test_prefill_workers_may_hand_off_to_decode_workers_another_source_lis
     # a prefill worker given alone, with no other source of workers, is still refused
     with pytest.raises(ConfigError, match="decode"):
         Config(workers=(WorkerConfig(a, role="prefill"),)).validate()
+
+
+async def test_every_worker_list_change_is_kept_for_a_later_sibling(tmp_path: Path) -> None:
+    """--processes: a worker drained, then dropped and listed again by the workers file,
+    is undrained in every process; the state a restarted process starts from must say
+    so too, or it alone keeps the worker drained."""
+    from types import SimpleNamespace
+
+    handles: dict[str, SimpleNamespace] = {}
+
+    async def set_workers(workers: tuple[WorkerConfig, ...]) -> None:
+        for name in [n for n in handles if n not in {w.name for w in workers}]:
+            del handles[name]
+        for w in workers:
+            handles.setdefault(w.name, SimpleNamespace(draining=False))
+
+    pool = SimpleNamespace(handles=handles, set_workers=set_workers)
+    state = tmp_path / "admin-state.json"
+    sources = WorkerSources(Config(), pool, state)  # type: ignore[arg-type]
+    b = WorkerConfig("http://b:1")
+    await sources._set((b,), "workers file")
+    handles["b:1"].draining = True
+    sources.save_admin_state()  # the admin API's drain
+    assert json.loads(state.read_text())["draining"] == ["b:1"]
+    await sources._set((), "workers file")
+    await sources._set((b,), "workers file")
+    later = WorkerSources(Config(), pool, state)  # type: ignore[arg-type]
+    assert later._read_admin_state() == []

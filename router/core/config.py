@@ -568,6 +568,15 @@ def env_notes(environ: dict[str, str] | None = None) -> list[str]:
     return notes
 
 
+_SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|WORKERS|PEERS")
+
+
+def shown(var: str, value: str) -> str:
+    """A variable for an error message: its value too, unless it may hold a secret (a key,
+    a token, a worker list with api_key entries)."""
+    return f"{var} (value not shown)" if _SECRET.search(var) else f"{var}={value!r}"
+
+
 def from_env(base: Config, environ: dict[str, str] | None = None) -> Config:
     """KVROUTE_<FIELD> for scalar fields; KVROUTE_WORKERS and KVROUTE_PEERS are
     comma-separated lists. A Kubernetes service link (KVROUTE_PORT=tcp://IP:PORT) is not
@@ -589,7 +598,7 @@ def from_env(base: Config, environ: dict[str, str] | None = None) -> Config:
         return from_mapping(values, base)
     except ConfigError as err:
         name = (err.param or "").split(".")[0].split("[")[0]
+        var = ENV_PREFIX + name.upper()
         raise ConfigError(
-            f"{ENV_PREFIX}{name.upper()}={env.get(ENV_PREFIX + name.upper())!r}: {err.message}",
-            param=err.param,
+            f"{shown(var, env.get(var, ''))}: {err.message}", param=err.param
         ) from None

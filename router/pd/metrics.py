@@ -8,6 +8,7 @@ multiply the sum by the processes)."""
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -34,7 +35,10 @@ class _NotCounted:
 
 
 def forget_worker(metrics: PDMetrics, worker: str) -> None:
-    """A decode worker left the fleet: its series of the per-worker totals go too."""
+    """A decode worker left the fleet: its series of the per-worker totals go too (not
+    under --processes: prometheus_client cannot remove from its files)."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return
     for counter in (metrics.verified, metrics.silent, metrics.failed_pulls, metrics.kv_bytes):
         with contextlib.suppress(KeyError):
             counter.remove(worker)
