@@ -102,9 +102,15 @@ class RouterApp:
         self.proxy = ProxyDoor(
             self.routing, self.pool, forwarder, self.metrics, config, access, tracer
         )
-        self.pd = PDDoor(self.routing, self.upstream, forwarder, config, self.metrics.registry)
+        self.pd = PDDoor(
+            self.routing,
+            self.upstream,
+            forwarder,
+            config,
+            self.metrics.registry,
+            self.proxy.answered,
+        )
         self.proxy.pd = self.pd
-        self.pd.answered = self.proxy.answered
         self.control = Control(self.routing, self.sources, self.metrics, role)
         self.control.pd = self.pd
         self.peers: PlacementLink | None = None
@@ -146,10 +152,9 @@ class RouterApp:
         self._warm: asyncio.Task[None] | None = None
 
     def _forget_worker(self, h: WorkerHandle, names: list[str]) -> None:
-        """A worker left the fleet: its metric series, idle connections and log memory."""
+        """A worker left the fleet: its metric series and idle connections."""
         self.metrics.forget_worker(names)
         self.upstream.forget(h.host, h.port)
-        self.pool.checks.forget(names)
 
     def _abort(self, host: str, port: int, why: str) -> None:
         n = self.upstream.abort(host, port, why)

@@ -174,8 +174,7 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
-        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
-        self._parents: dict[int, Any] = {}  # id -> metric, of the children's metrics
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
         self._retiring: set[str] = set()  # removed workers with requests still in flight
         self.inflight = Gauge(
             "kvroute_inflight_requests",
@@ -187,11 +186,10 @@ class RouterMetrics:
 
     def child(self, metric: Any, *labels: str) -> Any:
         """A labelled child, cached: labels() costs a few microseconds per call."""
-        key = (id(metric), labels)
+        key = (metric, labels)
         found = self._children.get(key)
         if found is None:
             found = self._children[key] = metric.labels(*labels)
-            self._parents[id(metric)] = metric
         return found
 
     def forget_worker(self, names: list[str]) -> None:
@@ -204,7 +202,7 @@ class RouterMetrics:
             return
         gone = set(names)
         for key in [k for k in self._children if gone.intersection(k[1])]:
-            metric, child = self._parents[key[0]], self._children[key]
+            metric, child = key[0], self._children[key]
             if metric is self.inflight and child._value.get() != 0:
                 self._retiring.add(key[1][0])
                 continue
@@ -217,13 +215,13 @@ class RouterMetrics:
         child.dec()
         if worker in self._retiring and child._value.get() == 0:
             self._retiring.discard(worker)
-            self._drop((id(self.inflight), (worker,)))
+            self._drop((self.inflight, (worker,)))
 
-    def _drop(self, key: tuple[int, tuple[str, ...]]) -> None:
-        metric = self._parents[key[0]]
+    def _drop(self, key: tuple[Any, tuple[str, ...]]) -> None:
+        metric, labels = key
         del self._children[key]
         with contextlib.suppress(KeyError):
-            metric.remove(*key[1])
+            metric.remove(*labels)
 
     def count(self, model: str, worker: str, status: int, outcome: str) -> None:
         self.child(self.requests, model, worker, str(status), outcome).inc()

@@ -147,11 +147,10 @@ def check_port(host: str, port: int) -> str | None:
     """Why the children should not bind host:port, or None: checked once, up front, without
     SO_REUSEPORT, so that a router already listening there (another `--processes`
     instance, whose sockets would otherwise quietly share the connections) is refused."""
-    with _tcp_socket(host) as probe:
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            return f"cannot listen on {host}:{port}: {exc.strerror}"
+    probe = bind_port(host, port)
+    if isinstance(probe, str):
+        return probe
+    probe.close()
     return None
 
 

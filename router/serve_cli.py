@@ -18,6 +18,8 @@ from router.core.config import (
     POLICIES,
     REMOTE,
     Config,
+    env_notes,
+    env_var,
     from_env,
     from_mapping,
     shown,
@@ -448,8 +450,8 @@ def load_config(args: argparse.Namespace, environ: dict[str, str] | None = None)
         # a value from the environment is fixed there, not in the YAML file the message
         # would send the operator to
         env = os.environ if environ is None else environ
-        field = (err.param or "").split(".")[0].split("[")[0]
-        var = ENV_PREFIX + field.upper()
+        var = env_var(err)
+        field = var.removeprefix(ENV_PREFIX).lower()
         if field and field not in flags and var in env:
             raise ConfigError(f"{shown(var, env[var])}: {err.message}", param=err.param) from None
         raise
@@ -594,7 +596,6 @@ def _supervise(args: argparse.Namespace, config: Config) -> int:
 
 def _announce(config: Config) -> None:
     """The start-up line an operator greps for, and the warnings that matter."""
-    from router.core.config import env_notes
     from router.metrics import version
 
     for note in env_notes():

@@ -189,6 +189,7 @@ class WorkerPool:
             names = [state.name for state in h.states]
             for name in names:
                 self.fleet.remove(name)
+            self.checks.forget(names)
             for hook in self.on_removed:
                 hook(h, names)
         new = [w for name, w in wanted.items() if name not in self.handles]

@@ -8,10 +8,10 @@ workload marks for `replicas` workers alternates over that many, request by requ
 placements are replayed and the better kept: groups spread so every worker gets about the
 same prompt tokens (largest first), and groups spread by their cache footprint (largest
 first onto the worker with the most cache left), which wins where prefixes differ in length
-and in demand. Caches: per worker an
-LRU of `kv_blocks - 1` blocks (vLLM's null block excluded), keyed by the real chained token
-blocks; a request hits its leading blocks present (capped below its last token, as vLLM
-serves), then touches its blocks tail first so the head is the last to go, as vLLM frees them.
+and in demand. Caches: per worker an LRU of `kv_blocks - 1` blocks (vLLM's null block
+excluded), keyed by the real chained token blocks; a request hits its leading blocks present
+(capped below its last token, as vLLM serves), then touches its blocks tail first so the
+head is the last to go, as vLLM frees them.
 
 Order (`replay_order`): wave by wave, the chains in fixed batches of `concurrency`, each
 batch interleaved turn by turn (every chain's first request, then every second one, ...)

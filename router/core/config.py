@@ -577,6 +577,12 @@ def shown(var: str, value: str) -> str:
     return f"{var} (value not shown)" if _SECRET.search(var) else f"{var}={value!r}"
 
 
+def env_var(err: ConfigError) -> str:
+    """The KVROUTE_ variable of the field a config error names (`workers[0].url`:
+    KVROUTE_WORKERS)."""
+    return ENV_PREFIX + (err.param or "").split(".")[0].split("[")[0].upper()
+
+
 def from_env(base: Config, environ: dict[str, str] | None = None) -> Config:
     """KVROUTE_<FIELD> for scalar fields; KVROUTE_WORKERS and KVROUTE_PEERS are
     comma-separated lists. A Kubernetes service link (KVROUTE_PORT=tcp://IP:PORT) is not
@@ -597,8 +603,7 @@ def from_env(base: Config, environ: dict[str, str] | None = None) -> Config:
     try:
         return from_mapping(values, base)
     except ConfigError as err:
-        name = (err.param or "").split(".")[0].split("[")[0]
-        var = ENV_PREFIX + name.upper()
+        var = env_var(err)
         raise ConfigError(
             f"{shown(var, env.get(var, ''))}: {err.message}", param=err.param
         ) from None

@@ -72,6 +72,8 @@ CLIENT_ROUTING_HEADERS = (
 # access log to the picker, so a request's end is worth waiting for even before Envoy has
 # opened that log's stream (it does at its first entry)
 ACCESS_LOG_MARK = "x-kvroute-access-log"
+# the route's retries on connect failures: the picker lists one endpoint per attempt
+FALLBACK_RETRIES = 3
 PICKER_HEALTH_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 # Envoy's response code details for its own 413, a request body over the buffer limit
 ENVOY_BODY_TOO_LARGE = "request_payload_too_large"
@@ -126,7 +128,7 @@ class GatewayConfig:
     message_timeout_s: float = 5.0
     stream_idle_timeout_s: int = 300
     picker_health_interval_s: float = 1.0
-    fallback_retries: int = 3
+    fallback_retries: int = FALLBACK_RETRIES
     eds_path: Path | None = None
     # more picker replicas behind the same cluster (each request's stream goes to one)
     more_pickers: tuple[Endpoint, ...] = ()

@@ -30,6 +30,7 @@ import msgspec
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 
 from router.core.errors import KvrouteError, NoWorkerAvailable, PayloadTooLarge
+from router.envoy.bootstrap import ACCESS_LOG_MARK, FALLBACK_RETRIES
 from router.extproc import endings as ends
 from router.extproc import gie
 from router.extproc.cli import DEFAULT_MAX_BODY  # bodies the picker takes (413 above)
@@ -43,11 +44,11 @@ DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 NO_BODY = processing_mode_pb2.ProcessingMode.NONE
 # Ordered fallbacks sent to the gateway: one per attempt it makes (`kvroute envoy-config`'s
-# route retries 3 times). Envoy's override-host policy takes the next one per retry and,
-# once they run out, its fallback policy's pick over the whole cluster: a worker of another
-# model, a prefill worker, one outside the subset. So the list is always this long, the
-# eligible endpoints repeated in order where fewer.
-MAX_FALLBACKS = 4
+# route retries FALLBACK_RETRIES times). Envoy's override-host policy takes the next one per
+# retry and, once they run out, its fallback policy's pick over the whole cluster: a worker
+# of another model, a prefill worker, one outside the subset. So the list is always this
+# long, the eligible endpoints repeated in order where fewer.
+MAX_FALLBACKS = FALLBACK_RETRIES + 1
 # JSON responses are kept only to read usage.cached_tokens; a larger one is not usage-bearing.
 MAX_KEPT_RESPONSE = 1 << 20
 # The picker's first choice, on the response: with the gateway's served-endpoint header, a
@@ -56,8 +57,6 @@ WORKER_HEADER = "x-kvroute-worker"
 RANK = RANK_HEADER.decode()
 
 Responses = list[gie.ProcessingResponse]
-# the bootstrap's mark: this gateway's access log comes to the picker (router.envoy)
-ACCESS_LOG_MARK = "x-kvroute-access-log"
 _REQUEST_HEADERS = frozenset({":method", ":path", "x-request-id", ACCESS_LOG_MARK})
 _RESPONSE_HEADERS = frozenset({":status", "content-type"})
 _encode = msgspec.json.encode

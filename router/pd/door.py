@@ -75,6 +75,7 @@ class PDDoor:
         forwarder: Forwarder,
         config: Config,
         registry: CollectorRegistry,
+        answered: Answered,
     ) -> None:
         self.svc = svc
         self.pool = svc.pool
@@ -90,12 +91,12 @@ class PDDoor:
         sweep_s = SWEEP_S if role_from_env() is not None and counts_worker_totals() else None
         self.verifier = Verifier(self.pool, self.model, self.metrics, sweep_s=sweep_s)
         self.verifier.decode_workers = self._decode_endpoints
-        self.pool.on_removed.append(lambda h, names: self.verifier.forget_removed())
+        self.pool.on_removed.append(self._forget_removed)
         # prefill worker -> (legs failed in a row there, the last failure)
         self._prefill_failures: dict[str, tuple[int, str]] = {}
-        # the proxy's bookkeeping of each answer (router.proxy.Proxy.answered), set where
-        # the door is attached: access log, worker health and stream errors of decode legs
-        self.answered: Answered | None = None
+        # the proxy's bookkeeping of each answer (router.proxy.ProxyDoor.answered): access
+        # log, worker health and stream errors of decode legs
+        self.answered = answered
         self.calibration = Calibration(self.pool, self.model)
         self._tasks: list[asyncio.Task[None]] = []
         if config.pd_fault_strip_params:
@@ -132,6 +133,13 @@ class PDDoor:
 
     def _decode_endpoints(self) -> list[str]:
         return [w.name for w in self.svc.fleet.workers.values() if w.role != "prefill"]
+
+    def _forget_removed(self, h: object, names: list[str]) -> None:
+        """Workers removed from the fleet: their ledgers, and their prefill failures (one
+        added back starts afresh)."""
+        self.verifier.forget_removed()
+        for name in names:
+            self._prefill_failures.pop(name, None)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -375,10 +383,7 @@ class PDDoor:
     ) -> int | None:
         """The decode leg answered; what its pull should prove (None: nothing)."""
         self.svc.finish(ticket, status=result.status)  # its cached_tokens are the prefill's
-        if self.answered is not None:
-            self.answered(ticket, r, result, plan.prefill)
-        elif result.broken is None:
-            self.pool.note_answered(plan.decode)
+        self.answered(ticket, r, result, plan.prefill)
         if result.status != 200 or result.broken is not None:
             cause = result.broken or f"http_{result.status}"
             self.metrics.decode_errors.labels(plan.decode, cause).inc()
@@ -462,10 +467,8 @@ class PDDoor:
         """Prefill workers whose last legs all failed: each of their splits is prefilled
         twice (there, then on the decode worker), which only this shows."""
         out: dict[str, tuple[str, str]] = {}
-        for gone in self._prefill_failures.keys() - self.svc.fleet.workers.keys():
-            del self._prefill_failures[gone]  # removed: a worker added back starts afresh
         for worker, (count, last) in self._prefill_failures.items():
-            if count >= PREFILL_FAILURES_DEGRADE:
+            if count >= PREFILL_FAILURES_DEGRADE and worker in self.svc.fleet.workers:
                 text = (
                     f"prefill worker {worker}: its last {count} prefill legs failed (last: "
                     f"{last}); those requests were prefilled again on their decode worker"
