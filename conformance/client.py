@@ -23,9 +23,20 @@ class Completion:
     ttft_s: float | None = None
 
 
+# Idle connections are not reused past this: under the servers' keep-alive timeouts (vLLM's
+# and the simulator's 5 s), so that no call goes out on a connection the server is closing
+# that moment (httpx's own 5 s equals them: a check once crashed on such a disconnect).
+KEEPALIVE_S = 2.0
+
+
 def client(base_url: str, timeout_s: float = 120.0) -> httpx.AsyncClient:
     # trust_env=False: loopback calls must never go through a configured HTTP proxy.
-    return httpx.AsyncClient(base_url=base_url, timeout=timeout_s, trust_env=False)
+    return httpx.AsyncClient(
+        base_url=base_url,
+        timeout=timeout_s,
+        trust_env=False,
+        limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S),
+    )
 
 
 def completion_body(

@@ -12,6 +12,7 @@ with something it should have proved left unproved.
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -149,11 +150,26 @@ def skipped(c: Check, missing: list[str]) -> CheckResult:
 def finished(c: Check, f: Findings, started: float, error: BaseException | None) -> CheckResult:
     seconds = time.monotonic() - started
     if error is not None:
-        f.problems.append(f"{type(error).__name__}: {error}")
+        f.problems.append(f"{type(error).__name__}: {error}{_raised_at(error)}")
         f.evidence["traceback"] = traceback.format_exception(error)[-6:]
     status: Status = "fail" if f.problems else "pass"
     reason = "; ".join(f.problems) if f.problems else "all requirements met"
     return CheckResult(c.name, c.description, sorted(c.needs), status, reason, f.evidence, seconds)
+
+
+def _raised_at(error: BaseException) -> str:
+    """Where in the suite's own code the error came up: the summary line then names the call
+    that failed (a CI log shows that line, not the report's traceback)."""
+    ours = [
+        frame
+        for frame in traceback.extract_tb(error.__traceback__)[1:]  # [0]: the runner's own
+        if f"{os.sep}conformance{os.sep}" in frame.filename
+    ]
+    if not ours:
+        return ""
+    frame = ours[-1]
+    where = frame.filename[frame.filename.rindex(f"{os.sep}conformance{os.sep}") + 1 :]
+    return f" (at {where}:{frame.lineno}, {frame.name})"
 
 
 def exit_code(results: Iterable[CheckResult]) -> int:

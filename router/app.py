@@ -45,7 +45,7 @@ from router.tokenize import LocalTokenizer
 from router.tokenizers import TokenizerSet
 from router.tracing import DecisionTracer
 from router.upstream import Timeouts, UpstreamPool
-from router.worker_checks import CONTROL_TIMEOUT_S
+from router.worker_checks import CONTROL_KEEPALIVE_S, CONTROL_TIMEOUT_S
 from router.workers import WorkerHandle, WorkerPool
 
 log = logging.getLogger("kvroute.proxy")
@@ -76,7 +76,13 @@ class RouterApp:
         # never stall the rounds that would notice it
         self.client = client or httpx.AsyncClient(
             timeout=httpx.Timeout(CONTROL_TIMEOUT_S, connect=config.connect_timeout_s),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+            limits=httpx.Limits(
+                max_connections=1024,
+                max_keepalive_connections=256,
+                # under vLLM's 5 s keep-alive: a probe never goes out on a connection the
+                # engine is closing that moment (a failed probe counts against the worker)
+                keepalive_expiry=CONTROL_KEEPALIVE_S,
+            ),
         )
         self.pool = WorkerPool(config, self.fleet, self.client, self.clock, self.tokenizers)
         self.sources = WorkerSources(

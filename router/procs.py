@@ -184,6 +184,7 @@ async def serve_in_process(app: Any, port: int | None = None) -> AsyncIterator[s
         "127.0.0.1",
         port,
         header_timeout_s=getattr(getattr(app, "config", None), "header_timeout_s", 10.0),
+        keep_alive_timeout_s=getattr(getattr(app, "config", None), "keep_alive_timeout_s", 75.0),
         loop="asyncio",
     )
     server = _QuietServer(config)

@@ -2,6 +2,9 @@
 
 - A client's request head must arrive within `header_timeout_s` (uvicorn has no such limit:
   a slowloris client could hold a connection forever); bodies are bounded by the app.
+- An idle client connection stays open `keep_alive_timeout_s` (75 s), longer than the idle
+  timeouts of the proxies and clients that reuse it: with uvicorn's 5 s, a client reusing a
+  connection at the moment the router closed it lost its request.
 - The worker's `date` and `server` headers pass through; uvicorn adds none of its own, so a
   response carries one of each.
 - SIGTERM drains in two steps. First, for `drain_delay_s`, the router keeps serving but
@@ -124,6 +127,7 @@ def server_config(
     port: int,
     *,
     header_timeout_s: float = 10.0,
+    keep_alive_timeout_s: float = 75.0,
     drain_timeout_s: float = 30.0,
     tls_cert: str | None = None,
     tls_key: str | None = None,
@@ -136,6 +140,7 @@ def server_config(
         port=port,
         loop=loop,
         http=protocol_with_header_timeout(header_timeout_s),
+        timeout_keep_alive=math.ceil(keep_alive_timeout_s),  # uvicorn takes whole seconds
         lifespan="on",
         access_log=False,
         log_level="warning",

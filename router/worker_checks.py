@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvroute.workers")
 
 CONTROL_TIMEOUT_S = 10.0  # every control-plane call is bounded: a hung worker stalls nothing
+CONTROL_KEEPALIVE_S = 4.0  # an idle control connection is not reused past this (vLLM: 5 s)
 PROBE_TEXT = "kvroute tokenizer probe: The quick brown fox jumps over 13 lazy dogs."
 PROBE_CHAT = [{"role": "user", "content": PROBE_TEXT}]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from conformance.checks import RUN_ORDER, registry
@@ -149,6 +151,21 @@ def test_check_outcomes(fn: Any, status: str, reason: str, tmp_path: Path) -> No
     [result] = _run([_fake("x", fn)], _FakeTarget(), tmp_path)
     assert (result.status, result.reason) == (status, reason)
     assert exit_code([result]) == (0 if status == "pass" else 1)
+
+
+async def _crashes_in_the_suite(ctx: Context, f: Findings) -> None:
+    from conformance.client import _json
+
+    _json(httpx.Response(500, request=httpx.Request("GET", "http://127.0.0.1:9/v1/models")))
+
+
+def test_a_crash_names_the_suite_line_it_came_from(tmp_path: Path) -> None:
+    """A CI log shows the one-line reason, not the report's traceback: the reason says which
+    of the suite's calls raised (the check's own frame is outside the suite here)."""
+    [result] = _run([_fake("x", _crashes_in_the_suite)], _FakeTarget(), tmp_path)
+    assert result.status == "fail"
+    assert result.reason.startswith("EngineCallError: /v1/models: 500")
+    assert re.search(r"\(at conformance/client\.py:\d+, _json\)$", result.reason), result.reason
 
 
 def test_missing_feature_skips_with_reason_and_fails_the_run(tmp_path: Path) -> None:

@@ -269,6 +269,26 @@ async def test_headers_both_ways_and_the_routers_own_answers() -> None:
         assert await slowloris_closed(s.url, within_s=3.0)
 
 
+async def test_idle_client_connections_stay_open_for_the_keep_alive_timeout() -> None:
+    """The keep-alive timeout reaches the server: a kept-alive connection outlives a second
+    and closes after `keep_alive_timeout_s`. The default is above the idle timeouts of what
+    reuses client connections (httpx 5 s, load balancers 60 s): at uvicorn's 5 s a client
+    reusing a connection the router was closing lost its request."""
+    assert Config().keep_alive_timeout_s > max(httpx.Limits().keepalive_expiry or 0, 60)
+    async with router(1, keep_alive_timeout_s=2) as s:
+        host, port = s.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(b"GET /live HTTP/1.1\r\nhost: x\r\n\r\n")
+            await writer.drain()
+            assert (await asyncio.wait_for(reader.read(4096), 5)).startswith(b"HTTP/1.1 200")
+            with pytest.raises(TimeoutError):  # still open, idle
+                await asyncio.wait_for(reader.read(), 1.0)
+            assert await asyncio.wait_for(reader.read(), 3.0) == b""  # closed at 2 s
+        finally:
+            writer.close()
+
+
 async def raw_exchange(url: str, data: bytes) -> bytes:
     host, port = url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))

@@ -58,7 +58,9 @@ async def drive(
     result = DriveResult()
     cycle = itertools.cycle(urls)
     pick = route or (lambda _: next(cycle))
-    limits = httpx.Limits(max_connections=w.concurrency * 2 + 4)
+    # idle connections are not reused near the servers' keep-alive timeouts (uvicorn's, and
+    # the oracle's workers', 5 s): a request sent as one closes is lost, and fails the row
+    limits = httpx.Limits(max_connections=w.concurrency * 2 + 4, keepalive_expiry=2.0)
     # trust_env=False: loopback traffic must never go through a configured HTTP proxy
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
         await warm_client(client, urls)
