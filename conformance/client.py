@@ -25,17 +25,42 @@ class Completion:
 
 # Idle connections are not reused past this: under the servers' keep-alive timeouts (vLLM's
 # and the simulator's 5 s), so that no call goes out on a connection the server is closing
-# that moment (httpx's own 5 s equals them: a check once crashed on such a disconnect).
+# that moment (httpx's own 5 s equals them).
 KEEPALIVE_S = 2.0
+IDEMPOTENT = frozenset({"GET", "HEAD"})
+
+
+class _RetryIdempotent(httpx.AsyncBaseTransport):
+    """Sends a GET or HEAD again, once, when the server closed the connection before a byte of
+    its answer, as browsers do (RFC 9110 9.2.2). A server whose event loop stalls past its
+    keep-alive timeout runs that timer before it reads the request waiting on the connection:
+    vLLM's API server on two busy cores dropped a /metrics poll sent 0.1 s after the last one
+    so, and crashed a check that was about the page, not the connection. Requests that are
+    not idempotent are never sent twice."""
+
+    def __init__(self) -> None:
+        self._inner = httpx.AsyncHTTPTransport(
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S), trust_env=False
+        )
+        self.retried = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await self._inner.handle_async_request(request)
+        except httpx.RemoteProtocolError:
+            if request.method not in IDEMPOTENT:
+                raise
+            self.retried += 1
+            return await self._inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
 
 
 def client(base_url: str, timeout_s: float = 120.0) -> httpx.AsyncClient:
     # trust_env=False: loopback calls must never go through a configured HTTP proxy.
     return httpx.AsyncClient(
-        base_url=base_url,
-        timeout=timeout_s,
-        trust_env=False,
-        limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S),
+        base_url=base_url, timeout=timeout_s, trust_env=False, transport=_RetryIdempotent()
     )
 
 

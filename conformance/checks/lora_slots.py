@@ -114,6 +114,11 @@ async def _hold(
         while time.monotonic() < ends and not long.done():
             await _sample(direct, samples)
             await asyncio.sleep(0.1)
+    except BaseException:
+        for task in held:  # the check failed mid-hold: no request is left unawaited
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+        raise
     finally:
         long.cancel()  # hanging up aborts it (through kvroute, on the engine)
         with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
