@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -23,34 +24,53 @@ class Completion:
     ttft_s: float | None = None
 
 
-# Idle connections are not reused past this: under the servers' keep-alive timeouts (vLLM's
-# and the simulator's 5 s), so that no call goes out on a connection the server is closing
-# that moment (httpx's own 5 s equals them).
+# Idle connections are not reused past this: well under the servers' keep-alive timeouts
+# (vLLM's and the simulator's 5 s), which httpx's own 5 s equals, so that the two ends do not
+# time the same idle connection out together and a call cross the server's close.
 KEEPALIVE_S = 2.0
+LIMITS = httpx.Limits(
+    max_connections=100, max_keepalive_connections=20, keepalive_expiry=KEEPALIVE_S
+)
 IDEMPOTENT = frozenset({"GET", "HEAD"})
+log = logging.getLogger("kvroute.conformance")
 
 
-class _RetryIdempotent(httpx.AsyncBaseTransport):
-    """Sends a GET or HEAD again, once, when the server closed the connection before a byte of
-    its answer, as browsers do (RFC 9110 9.2.2). A server whose event loop stalls past its
-    keep-alive timeout runs that timer before it reads the request waiting on the connection:
-    vLLM's API server on two busy cores dropped a /metrics poll sent 0.1 s after the last one
-    so, and crashed a check that was about the page, not the connection. Requests that are
-    not idempotent are never sent twice."""
+class _ResendIdempotent(httpx.AsyncBaseTransport):
+    """Sends a GET or HEAD again, once, when it went out on a reused connection that the
+    server closed or reset before a byte of its answer, as browsers do (RFC 9110 9.2.2): a
+    check reading vLLM's /metrics once crashed on "Server disconnected without sending a
+    response", about the connection, not the page under test. A request on a new connection
+    and any request that is not idempotent are never sent twice; a resend is logged."""
 
     def __init__(self) -> None:
-        self._inner = httpx.AsyncHTTPTransport(
-            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S), trust_env=False
-        )
-        self.retried = 0
+        self._inner = httpx.AsyncHTTPTransport(limits=LIMITS, trust_env=False)
+        self.resent = 0
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method not in IDEMPOTENT:
+            return await self._inner.handle_async_request(request)
+        connected = False
+        outer = request.extensions.get("trace")
+
+        async def trace(event: str, info: dict[str, Any]) -> None:
+            nonlocal connected
+            connected |= event.startswith("connection.connect_tcp")
+            if outer is not None:
+                await outer(event, info)
+
+        request.extensions["trace"] = trace
         try:
             return await self._inner.handle_async_request(request)
-        except httpx.RemoteProtocolError:
-            if request.method not in IDEMPOTENT:
+        except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            if connected:
                 raise
-            self.retried += 1
+            self.resent += 1
+            log.info(
+                "%s %s: resent once (%s on a reused connection)",
+                request.method,
+                request.url.path,
+                type(exc).__name__,
+            )
             return await self._inner.handle_async_request(request)
 
     async def aclose(self) -> None:
@@ -60,7 +80,7 @@ class _RetryIdempotent(httpx.AsyncBaseTransport):
 def client(base_url: str, timeout_s: float = 120.0) -> httpx.AsyncClient:
     # trust_env=False: loopback calls must never go through a configured HTTP proxy.
     return httpx.AsyncClient(
-        base_url=base_url, timeout=timeout_s, trust_env=False, transport=_RetryIdempotent()
+        base_url=base_url, timeout=timeout_s, trust_env=False, transport=_ResendIdempotent()
     )
 
 
@@ -71,11 +91,14 @@ def completion_body(
     cache_salt: str | None = None,
     max_tokens: int = 1,
     stream: bool = False,
+    xargs: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "prompt": prompt, "max_tokens": max_tokens}
     body["temperature"] = 0.0
     if cache_salt is not None:
         body["cache_salt"] = cache_salt
+    if xargs:
+        body["vllm_xargs"] = dict(xargs)
     if stream:
         body |= {"stream": True, "stream_options": {"include_usage": True}}
     return body
@@ -100,9 +123,10 @@ async def complete(
     *,
     cache_salt: str | None = None,
     max_tokens: int = 1,
+    xargs: Mapping[str, Any] | None = None,
 ) -> Completion:
     """One non-streaming completion; returns what the engine reports it had cached."""
-    body = completion_body(model, prompt, cache_salt=cache_salt, max_tokens=max_tokens)
+    body = completion_body(model, prompt, cache_salt=cache_salt, max_tokens=max_tokens, xargs=xargs)
     return _usage(_json(await http.post("/v1/completions", json=body)))
 
 

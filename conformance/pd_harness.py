@@ -34,6 +34,7 @@ from typing import Any
 import httpx
 import zmq
 
+from conformance.client import LIMITS
 from conformance.pd_engines import PDPair, pd_pair
 from conformance.targets import DEFAULT_MODEL_DIR
 from engines.sim.pd_metrics import PDSnapshot, pd_snapshot
@@ -371,7 +372,7 @@ class PDReport:
 
 def run_handoffs(pair: PDPair, tokens: Sequence[int] = DEFAULT_TOKENS) -> PDReport:
     """Every measurement and check above, on a started pair."""
-    with httpx.Client(timeout=120, trust_env=False) as client:
+    with httpx.Client(timeout=120, trust_env=False, limits=LIMITS) as client:
         warm, _ = prefill_leg(client, pair, prompt_of(40, "warm"), "warm")
         start = time.perf_counter()
         first = decode_leg(client, pair.decode.url, pair.model, prompt_of(40, "warm"), warm, "warm")

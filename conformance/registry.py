@@ -12,11 +12,11 @@ with something it should have proved left unproved.
 
 from __future__ import annotations
 
-import os
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
@@ -157,18 +157,20 @@ def finished(c: Check, f: Findings, started: float, error: BaseException | None)
     return CheckResult(c.name, c.description, sorted(c.needs), status, reason, f.evidence, seconds)
 
 
+SUITE = Path(__file__).resolve().parent
+
+
 def _raised_at(error: BaseException) -> str:
-    """Where in the suite's own code the error came up: the summary line then names the call
-    that failed (a CI log shows that line, not the report's traceback)."""
-    ours = [
-        frame
-        for frame in traceback.extract_tb(error.__traceback__)[1:]  # [0]: the runner's own
-        if f"{os.sep}conformance{os.sep}" in frame.filename
-    ]
-    if not ours:
+    """Where in the suite's own code the error came up, named in the one-line reason that a
+    CI log shows (the report keeps the traceback): the check's deepest line, else the
+    suite's (a helper the check called from outside the suite's files)."""
+    frames = traceback.extract_tb(error.__traceback__)[1:]  # [0]: the runner's own
+    ours = [f for f in frames if Path(f.filename).resolve().is_relative_to(SUITE)]
+    checks = [f for f in ours if Path(f.filename).resolve().is_relative_to(SUITE / "checks")]
+    if not (checks or ours):
         return ""
-    frame = ours[-1]
-    where = frame.filename[frame.filename.rindex(f"{os.sep}conformance{os.sep}") + 1 :]
+    frame = (checks or ours)[-1]
+    where = Path(frame.filename).resolve().relative_to(SUITE.parent)
     return f" (at {where}:{frame.lineno}, {frame.name})"
 
 

@@ -78,7 +78,10 @@ class _Driver:
         if isinstance(step, Reset):
             await reset_prefix_cache(self.http)
             return
-        await complete(self.http, self.model(step.lora), list(step.tokens), cache_salt=step.salt)
+        xargs = {"kv_cache_report_mode": "full"} if step.report_full else None
+        await complete(
+            self.http, self.model(step.lora), list(step.tokens), cache_salt=step.salt, xargs=xargs
+        )
         ns = self.obs.namespace(self.engine.lora_name if step.lora else None, step.salt)
         await self.obs.wait_blocks(step.tokens, ns, len(step.tokens) // BLOCK)
 
@@ -171,6 +174,7 @@ def _describe(sc: Scenario, engine: Engine) -> dict[str, Any]:
             steps.append(
                 {"tokens": len(s.tokens), "token_ids_sha256": digest, "lora": s.lora}
                 | ({"cache_salt": s.salt} if s.salt else {})
+                | ({"vllm_xargs": {"kv_cache_report_mode": "full"}} if s.report_full else {})
             )
     return {
         "name": sc.name,

@@ -27,6 +27,7 @@ class Send:
     tokens: tuple[int, ...]
     lora: bool = False
     salt: str | None = None
+    report_full: bool = False  # vllm_xargs {"kv_cache_report_mode": "full"}
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,25 @@ def _duplicate_block() -> Scenario:
     )
 
 
+def _report_full() -> Scenario:
+    """A request sent with vllm_xargs {"kv_cache_report_mode": "full"} makes vLLM publish
+    BlockStored again for the prefix it found cached, no new block behind it. Fillers then
+    evict the prompt (each BlockRemoved once): counted as second copies, the re-reported
+    blocks would outlive the engine's cache in kvroute's index."""
+    t = _Tokens("report-full")
+    p = t(blocks(3, 5))
+    fillers = [t(blocks(100)) for _ in range(2)]
+    return Scenario(
+        "report-full",
+        "main",
+        "a 3-block prompt, again with kv_cache_report_mode full (its cached blocks published "
+        "again), then two 100-block fillers that evict it",
+        (Send(p), Send(p, report_full=True), *(Send(f) for f in fillers)),
+        (Query("p-3", p[: 3 * BLOCK]), Query("filler-100", fillers[1][: 100 * BLOCK])),
+        expect_events=frozenset({"BlockStored", "BlockRemoved"}),
+    )
+
+
 def all_scenarios() -> list[Scenario]:
     """The fixture scenarios."""
     return [
@@ -214,6 +234,7 @@ def all_scenarios() -> list[Scenario]:
         _lora(),
         _salt(),
         _duplicate_block(),
+        _report_full(),
         _bytes_hashes(),
     ]
 

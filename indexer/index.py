@@ -14,6 +14,16 @@ at that cap, counted by `evicted_at_cap(worker)`. Prefixes through a dropped blo
 matching until the worker stores it again; size the bound above the fleet's total KV blocks
 so it only trips when events were lost.
 
+A block stored again is another cached copy (vLLM recomputes a block-aligned prompt's last
+block into a second physical block and evicts the copies one at a time), except a re-report:
+a request sent with `vllm_xargs: {"kv_cache_report_mode": "full"}` makes vLLM publish
+BlockStored again for the prefix it found cached, no new block behind it. A re-report is a
+chain from the root (no parent) of blocks all held already in the GPU tier; a copy never
+is, past its first block (a request that missed the prefix's first block computes the
+prefix anew, and vLLM caches blocks as it allocates them, so the next request finds them).
+Counted as copies, re-reports would keep blocks in the index forever after the engine
+evicted them. A one-block chain stays a copy: that is also a one-block prompt recomputed.
+
 A block id (engine hash) stored again for a different block (vLLM's content hashes make that
 a hash collision, or a mangled batch) first releases the block it named, as BlockRemoveds of
 it in every tier would, copies and all, then names the new one: every entry stays reachable.
@@ -80,6 +90,7 @@ class ApplyResult:
     unknown_removed: int = 0
     evicted_at_bound: int = 0
     evicted_at_cap: int = 0
+    rereported: int = 0  # blocks BlockStored again for a cached prefix (report mode "full")
 
 
 class Core(Protocol):
@@ -235,7 +246,21 @@ class PrefixIndex:
             rhs = hash_blocks(e.token_ids, e.block_size, seed)
         else:
             rhs = _hash_with_extras(e.token_ids, e.block_size, seed, e.block_extras)
-        self._store(wid, e.engine_hashes, rhs, parent, e.tier, res, True)
+        copies = not (parent is None and self._rereport(name, wid, e, rhs))
+        if not copies:
+            res.rereported += len(rhs)
+        self._store(wid, e.engine_hashes, rhs, parent, e.tier, res, copies)
+
+    def _rereport(self, name: str, wid: int, e: BlockStored, rhs: Sequence[int]) -> bool:
+        """A root chain of two or more blocks all held in the GPU tier already: vLLM's
+        report of a cached prefix (see the module's docstring), not new copies."""
+        if e.tier != DEFAULT_TIER or len(rhs) < 2 or len(e.engine_hashes) != len(rhs):
+            return False
+        pairs = zip(e.engine_hashes, rhs, strict=True)
+        if any(self._core.resolve(wid, b) != rh for b, rh in pairs):
+            return False
+        held = self._core.find_matches(rhs).get(name)
+        return held is not None and held.by_tier.get(DEFAULT_TIER, 0) == len(rhs)
 
     def store_hashes(
         self,

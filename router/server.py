@@ -3,8 +3,8 @@
 - A client's request head must arrive within `header_timeout_s` (uvicorn has no such limit:
   a slowloris client could hold a connection forever); bodies are bounded by the app.
 - An idle client connection stays open `keep_alive_timeout_s` (75 s), longer than the idle
-  timeouts of the proxies and clients that reuse it: with uvicorn's 5 s, a client reusing a
-  connection at the moment the router closed it lost its request.
+  timeouts of the proxies and clients that reuse it: with uvicorn's 5 s (httpx's own keep-alive
+  expiry too), a client could send a request on a connection the router was closing.
 - The worker's `date` and `server` headers pass through; uvicorn adds none of its own, so a
   response carries one of each.
 - SIGTERM drains in two steps. First, for `drain_delay_s`, the router keeps serving but

@@ -1,9 +1,12 @@
-"""The conformance suite's HTTP client: an idempotent call the server dropped unanswered on a
-kept-alive connection is sent once more; any other call is never sent twice."""
+"""The conformance suite's HTTP client: an idempotent call that a server dropped unanswered
+on a reused connection is sent once more; a call on a new connection, and any call that is
+not idempotent, are never sent twice."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -16,28 +19,31 @@ OK = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
 
 
 @asynccontextmanager
-async def second_request_dropped() -> AsyncIterator[tuple[str, list[bytes]]]:
-    """A server that answers each connection's first request and closes the connection,
-    unanswered, on its second: what a server does when its keep-alive timer fires before
-    it reads a request already waiting."""
+async def dropping(
+    answered: int = 1, reset: bool = False
+) -> AsyncIterator[tuple[str, list[bytes]]]:
+    """A server that answers each connection's first `answered` requests, then drops the
+    connection on the next one unanswered: closed (a keep-alive timer that fired as the
+    request came) or, with `reset`, reset."""
     seen: list[bytes] = []
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            for answered in range(2):
+            for n in range(answered + 1):
                 head = await reader.readuntil(b"\r\n\r\n")
-                length = next(
-                    (
-                        int(line.split(b":")[1])
-                        for line in head.lower().split(b"\r\n")
-                        if line.startswith(b"content-length:")
-                    ),
-                    0,
-                )
+                length = 0
+                for line in head.lower().split(b"\r\n"):
+                    if line.startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
                 await reader.readexactly(length)
                 seen.append(head.split(b" ", 1)[0])
-                if answered:
-                    return  # closes unanswered
+                if n == answered:
+                    if reset:
+                        sock = writer.get_extra_info("socket")
+                        sock.setsockopt(
+                            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                        )
+                    return
                 writer.write(OK)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
@@ -51,16 +57,24 @@ async def second_request_dropped() -> AsyncIterator[tuple[str, list[bytes]]]:
         yield f"http://127.0.0.1:{port}", seen
 
 
-async def test_a_dropped_get_is_sent_again_once() -> None:
-    async with second_request_dropped() as (url, seen), client(url) as http:
+@pytest.mark.parametrize("reset", [False, True], ids=["closed", "reset"])
+async def test_a_get_dropped_on_a_reused_connection_is_sent_again_once(reset: bool) -> None:
+    async with dropping(reset=reset) as (url, seen), client(url) as http:
         assert (await http.get("/metrics")).text == "ok"
         assert (await http.get("/metrics")).text == "ok"  # dropped, then sent on a new one
         assert seen == [b"GET", b"GET", b"GET"]
-        assert http._transport.retried == 1  # type: ignore[attr-defined]
+        assert http._transport.resent == 1  # type: ignore[attr-defined]
+
+
+async def test_a_get_dropped_on_a_new_connection_is_not_sent_again() -> None:
+    async with dropping(answered=0) as (url, seen), client(url) as http:
+        with pytest.raises(httpx.RemoteProtocolError):
+            await http.get("/metrics")
+        assert seen == [b"GET"]
 
 
 async def test_a_dropped_post_is_never_sent_again() -> None:
-    async with second_request_dropped() as (url, seen), client(url) as http:
+    async with dropping() as (url, seen), client(url) as http:
         assert (await http.post("/v1/completions", json={})).text == "ok"
         with pytest.raises(httpx.RemoteProtocolError):
             await http.post("/v1/completions", json={})

@@ -71,6 +71,7 @@ def test_sim_evidence_is_substantive(sim_report: tuple[int, dict[str, Any]]) -> 
         "lora",
         "cache-salt",
         "duplicate-block",
+        "report-full",
     }
     assert checks["chaining-32byte"]["captured_frames"]["hash_kinds"] == ["32-byte"]
     cut = checks["truncation"]
@@ -159,13 +160,28 @@ async def _crashes_in_the_suite(ctx: Context, f: Findings) -> None:
     _json(httpx.Response(500, request=httpx.Request("GET", "http://127.0.0.1:9/v1/models")))
 
 
+async def _crashes_in_a_check(ctx: Context, f: Findings) -> None:
+    from conformance.checks.lora_slots import _sample
+    from conformance.client import client
+    from conformance.procs import free_port
+
+    async with client(f"http://127.0.0.1:{free_port()}") as nobody:  # refused
+        await _sample(nobody, [])
+
+
 def test_a_crash_names_the_suite_line_it_came_from(tmp_path: Path) -> None:
-    """A CI log shows the one-line reason, not the report's traceback: the reason says which
-    of the suite's calls raised (the check's own frame is outside the suite here)."""
-    [result] = _run([_fake("x", _crashes_in_the_suite)], _FakeTarget(), tmp_path)
-    assert result.status == "fail"
-    assert result.reason.startswith("EngineCallError: /v1/models: 500")
-    assert re.search(r"\(at conformance/client\.py:\d+, _json\)$", result.reason), result.reason
+    """A CI log shows the one-line reason, not the report's traceback: the reason names the
+    check's own line that raised (not the client's transport below it), else the suite's."""
+    [helper, in_check] = _run(
+        [_fake("x", _crashes_in_the_suite), _fake("y", _crashes_in_a_check)],
+        _FakeTarget(),
+        tmp_path,
+    )
+    assert helper.reason.startswith("EngineCallError: /v1/models: 500")
+    assert re.search(r"\(at conformance/client\.py:\d+, _json\)$", helper.reason), helper.reason
+    assert in_check.reason.startswith("ConnectError")
+    pattern = r"\(at conformance/checks/lora_slots\.py:\d+, _sample\)$"
+    assert re.search(pattern, in_check.reason), in_check.reason
 
 
 def test_missing_feature_skips_with_reason_and_fails_the_run(tmp_path: Path) -> None:

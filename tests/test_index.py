@@ -140,6 +140,27 @@ def test_a_second_cached_copy_survives_one_removal(index: PrefixIndex) -> None:
     index.verify()
 
 
+def test_a_rereported_prefix_is_no_second_copy(index: PrefixIndex) -> None:
+    """With `kv_cache_report_mode: full` vLLM publishes BlockStored again, from the root, for
+    a prefix it served from cache: no new block. One BlockRemoved per block then evicts it,
+    as on the engine. A one-block root chain stays a copy (a one-block prompt recomputed)."""
+    index.apply("a", stored(eh(1, 2, 3), A[:12]))
+    res = index.apply("a", stored(eh(1, 2, 3), A[:12]))  # the re-report
+    assert res.rereported == 3 and res.stored == 0
+    index.apply("a", EventBatch(0.0, [BlockRemoved(eh(3))]))
+    assert index.find_matches(q(A)) == {"a": Overlap(2, {"GPU": 2})}
+    index.apply("a", EventBatch(0.0, [BlockRemoved(eh(1, 2))]))
+    assert index.find_matches(q(A)) == {}
+    index.apply("a", stored(eh(1), A[:4]))
+    assert index.apply("a", stored(eh(1), A[:4])).rereported == 0  # a second copy
+    index.apply("a", EventBatch(0.0, [BlockRemoved(eh(1))]))
+    assert index.find_matches(q(A)) == {"a": Overlap(1, {"GPU": 1})}
+    # a root chain reaching past what is held is new work: copies of the held part count
+    index.apply("a", stored(eh(1, 2), A[:8]))
+    assert index.apply("a", stored(eh(1, 2, 3), A[:12])).rereported == 0
+    index.verify()
+
+
 def test_an_id_stored_for_other_tokens_first_drops_its_block_everywhere(index: PrefixIndex) -> None:
     """Engine id 2 named A's second block (cached twice in GPU, once in CPU); stored again
     for other tokens, the old block goes from every tier, copies and all: nothing is left

@@ -12,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from engines.vllm import events as wire
 from indexer.clock import FakeClock
+from indexer.events import DEFAULT_TIER
 from indexer.hashing import Namespace, hash_request
 from indexer.index import Overlap, PrefixIndex, available_backends, tier_rank
 from indexer.ingest import WorkerIngest
@@ -50,6 +51,13 @@ class Reference:
             if parent not in self.eng[w]:
                 return
             base = self.eng[w][parent]
+        elif tier == DEFAULT_TIER and len(blocks) >= 2:
+            keys = [(*base, *blocks[: i + 1]) for i in range(len(blocks))]
+            if all(
+                self.eng[w].get(eh) == key and tier in self.held[w].get(key, {})
+                for key, eh in zip(keys, ids, strict=True)
+            ):
+                return  # vLLM re-reporting a cached prefix (report mode "full"): no copies
         for block, eh in zip(blocks, ids, strict=True):
             base = (*base, block)
             if self.eng[w].get(eh, base) != base:  # the id named another block: it goes
@@ -186,6 +194,31 @@ class IndexMachine(RuleBasedStateMachine):
         event, parent, blocks, ids = self.blocks_event(w, ns, seq_i, start, n, tier, collide=True)
         self.ref.store(w, parent, self.root(ns), blocks, tier, ids)
         self.send(w, [event])
+
+    @rule(
+        w=st.sampled_from(WORKERS),
+        ns=st.integers(0, len(NAMESPACES) - 1),
+        seq_i=st.integers(0, 5),
+        evict=st.integers(0, 5),
+    )
+    def rereport(self, w: str, ns: int, seq_i: int, evict: int) -> None:
+        """vLLM's `kv_cache_report_mode: full`: BlockStored again, from the root, for the
+        prefix the worker holds in GPU (as much of it as it holds, one block or more); then
+        the engine evicts one of those blocks."""
+        seq = self.pool[seq_i % len(self.pool)]
+        key, held = self.root(ns), 0
+        for b in seq:
+            key = (*key, b)
+            if "GPU" not in self.ref.held[w].get(key, {}):
+                break
+            held += 1
+        if not held:
+            return
+        event, parent, blocks, ids = self.blocks_event(w, ns, seq_i, 0, held, "GPU")
+        self.ref.store(w, parent, self.root(ns), blocks, "GPU", ids)
+        evicted = ids[evict % len(ids)]
+        self.ref.remove(w, evicted, "GPU")
+        self.send(w, [event, wire.BlockRemoved(block_hashes=[evicted], medium="GPU")])
 
     @rule(
         w=st.sampled_from(WORKERS),

@@ -133,6 +133,30 @@ def test_generated_tokens_fill_blocks_that_are_stored_with_their_parent() -> Non
     assert stored[1].parent_block_hash == stored[0].block_hashes[-1]
 
 
+def test_report_mode_full_publishes_a_requests_cache_hits_again() -> None:
+    """vllm_xargs {"kv_cache_report_mode": "full"}: as vLLM's scheduler looks a request's
+    prefix up, the blocks it found cached are published again, from the root; a request
+    without it publishes only what it computes."""
+    s = scheduler(blocks=64)
+
+    def stores(r: SimRequest) -> list[BlockStored]:
+        s.add(r)
+        events = []
+        while s.has_work:
+            s.update(s.schedule(), counting)
+            events += s.kv.pool.take_events()
+        return [e for e in events if isinstance(e, BlockStored)]
+
+    [first] = stores(req("a", 13, 1))  # 3 full blocks
+    assert stores(req("b", 13, 1)) == []  # all cached (its last token's block is partial)
+    full = SimRequest("c", list(range(10, 23)), Sampling(1, ignore_eos=True, report_cached=True))
+    [again] = stores(full)
+    assert again.parent_block_hash is None
+    assert again.block_hashes == first.block_hashes
+    assert again.token_ids == first.token_ids == list(range(10, 22))
+    assert s.kv.pool.counters.stored == 3  # no block behind the report
+
+
 def test_eos_and_stop_tokens_finish_a_request() -> None:
     s = scheduler(blocks=64)
     r = SimRequest("a", [5, 6, 7], Sampling(10, stop_token_ids=(102,)))

@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 
+from conformance.client import LIMITS
 from conformance.pd_engines import PDPair, pd_pair
 from conformance.pd_harness import Leg, decode_leg, prompt_for, reset_cache, snapshot
 from conformance.registry import Findings, check
@@ -205,7 +206,10 @@ def auto_calibrates(pair: PDPair, ctx: Context, f: Findings) -> None:
 
 
 def run(ctx: Context, f: Findings) -> None:
-    with pd_pair(ctx.target.name) as pair, httpx.Client(timeout=180, trust_env=False) as client:
+    with (
+        pd_pair(ctx.target.name) as pair,
+        httpx.Client(timeout=180, trust_env=False, limits=LIMITS) as client,
+    ):
         f.note("engines", pair.notes)
         split_and_local(client, pair, ctx, f)
         planted_silent_recompute(client, pair, ctx, f)

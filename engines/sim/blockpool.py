@@ -229,23 +229,39 @@ class BlockPool:
             self._cached.setdefault(h, {})[block.block_id] = block
             new.append(self._wire(h))
         self.counters.stored += len(new)
+        parent = self._wire(hashes[num_cached - 1]) if num_cached else None
+        self._emit(self._stored(new, parent, num_cached, num_full, tokens, keys))
+
+    def report_cached(
+        self, hashes: Sequence[EngineHash], num_hit: int, tokens: Sequence[int], keys: CacheKeys
+    ) -> None:
+        """vLLM's `kv_cache_report_mode: full` (a request's `vllm_xargs`): BlockStored again,
+        from the root, for the `num_hit` blocks a request found cached; nothing changes."""
+        if num_hit:
+            wire = [self._wire(h) for h in hashes[:num_hit]]
+            self._emit(self._stored(wire, None, 0, num_hit, tokens, keys))
+
+    def _stored(
+        self,
+        wire: list[WireHash],
+        parent: WireHash | None,
+        first: int,
+        end: int,
+        tokens: Sequence[int],
+        keys: CacheKeys,
+    ) -> BlockStored:
         bs = self.block_size
-        self._emit(
-            BlockStored(
-                block_hashes=new,
-                parent_block_hash=self._wire(hashes[num_cached - 1]) if num_cached else None,
-                token_ids=list(tokens[num_cached * bs : num_full * bs]),
-                block_size=bs,
-                lora_id=keys.lora_id,
-                medium=MEDIUM,
-                lora_name=keys.lora_name,
-                extra_keys=[
-                    event_extra_keys(keys.block_extra_keys(i * bs))
-                    for i in range(num_cached, num_full)
-                ],
-                group_idx=0,
-                kv_cache_spec_kind=SPEC_KIND,
-            )
+        return BlockStored(
+            block_hashes=wire,
+            parent_block_hash=parent,
+            token_ids=list(tokens[first * bs : end * bs]),
+            block_size=bs,
+            lora_id=keys.lora_id,
+            medium=MEDIUM,
+            lora_name=keys.lora_name,
+            extra_keys=[event_extra_keys(keys.block_extra_keys(i * bs)) for i in range(first, end)],
+            group_idx=0,
+            kv_cache_spec_kind=SPEC_KIND,
         )
 
     def reset(self) -> bool:

@@ -143,7 +143,13 @@ def _submit(
     choices: dict[str, _Choice] = {}
     for index, (p, k) in enumerate(itertools.product(range(len(gen.prompts)), range(gen.n))):
         prompt = gen.prompts[p]
-        sampling = Sampling(prompt.max_tokens, gen.ignore_eos, gen.min_tokens, gen.stop_token_ids)
+        sampling = Sampling(
+            prompt.max_tokens,
+            gen.ignore_eos,
+            gen.min_tokens,
+            gen.stop_token_ids,
+            report_cached=gen.report_cached,
+        )
         remote = gen.remote if p == 0 else None  # the handoff was checked for the first prompt
         handle = engine.submit(
             prompt.ids,

@@ -70,6 +70,7 @@ class GenerateRequest:
     include_stop_str: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
+    report_cached: bool = False  # vllm_xargs {"kv_cache_report_mode": "full"}
     return_token_ids: bool = False
     body: Mapping[str, Any] = field(default_factory=dict)
     kv_transfer_params: dict[str, Any] | None = None
@@ -259,10 +260,18 @@ class Renderer:
             include_stop_str=get(body, "include_stop_str_in_output", bool, False),
             ignore_eos=get(body, "ignore_eos", bool, False),
             min_tokens=fields.min_tokens,
+            report_cached=_report_mode(body) == "full",
             return_token_ids=bool(get(body, "return_token_ids", bool, None)),
             body=body,
             kv_transfer_params=get(body, "kv_transfer_params", dict, None),
         )
+
+
+def _report_mode(body: Mapping[str, Any]) -> str:
+    """vLLM reads `kv_cache_report_mode` from the request's `vllm_xargs` (its sampling
+    params' extra_args): "full" republishes the blocks a request found cached."""
+    xargs = get(body, "vllm_xargs", dict, None) or {}
+    return str(xargs.get("kv_cache_report_mode", "incremental"))
 
 
 def _is_token(t: object) -> bool:

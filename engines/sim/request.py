@@ -26,6 +26,8 @@ class Sampling:
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    # vllm_xargs {"kv_cache_report_mode": "full"}: its cache hits are published again
+    report_cached: bool = False
 
 
 @dataclass(eq=False)

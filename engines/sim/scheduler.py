@@ -166,6 +166,8 @@ class Scheduler:
             else:
                 hit = self.kv.computed_blocks(req)
                 num_hit = len(hit) * self.kv.block_size
+                if req.sampling.report_cached:  # as vLLM, at every lookup of its prefix
+                    self.kv.pool.report_cached(req.block_hashes, len(hit), req.all_ids(), req.keys)
             if req.remote_prefill:
                 if not self._start_load(plan, req, hit, num_hit):
                     break

@@ -34,6 +34,7 @@ from router.check.context import (
     worker_list,
 )
 from router.check.model import Report, Result, failed, warned
+from router.worker_checks import CONTROL_KEEPALIVE_S
 
 RouterCheck = Callable[[Context], Awaitable[Result]]
 WorkerCheck = Callable[[Context, WorkerFacts], Awaitable[Result]]
@@ -107,7 +108,12 @@ async def run_checks(opts: Options) -> Report:
         raise UsageError("give --router URL: its checks read the router")
     zmq_ctx = zmq.asyncio.Context()
     try:
-        async with httpx.AsyncClient(follow_redirects=True, headers=opts.api_headers()) as http:
+        # idle connections not reused near the workers' 5 s keep-alive (vLLM's): a call
+        # sent as the worker closes one would read as a failed check
+        limits = httpx.Limits(keepalive_expiry=CONTROL_KEEPALIVE_S)
+        async with httpx.AsyncClient(
+            follow_redirects=True, headers=opts.api_headers(), limits=limits
+        ) as http:
             return await _run(Context(opts, http, zmq_ctx))
     finally:
         zmq_ctx.destroy(linger=0)
