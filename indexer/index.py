@@ -22,7 +22,9 @@ chain from the root (no parent) of blocks all held already in the GPU tier; a co
 is, past its first block (a request that missed the prefix's first block computes the
 prefix anew, and vLLM caches blocks as it allocates them, so the next request finds them).
 Counted as copies, re-reports would keep blocks in the index forever after the engine
-evicted them. A one-block chain stays a copy: that is also a one-block prompt recomputed.
+evicted them. A one-block chain is also what a one-block prompt recomputed sends, so it is
+read as a re-report only from a worker that has sent a longer one (its clients ask for full
+reports); from any other it stays a copy.
 
 A block id (engine hash) stored again for a different block (vLLM's content hashes make that
 a hash collision, or a mangled batch) first releases the block it named, as BlockRemoveds of
@@ -161,6 +163,7 @@ class PrefixIndex:
         self._wids: dict[str, int] = {}
         self._models: dict[str, str] = {}
         self._free_wids: list[int] = []
+        self._reports_full: set[int] = set()  # workers seen re-reporting a cached prefix
 
     @property
     def max_entries(self) -> int:
@@ -201,6 +204,7 @@ class PrefixIndex:
         wid = self._wid(name)
         self._core.remove_worker(wid)
         del self._wids[name], self._models[name]
+        self._reports_full.discard(wid)
         self._free_wids.append(wid)
 
     def set_worker_cap(self, worker: str, max_entries: int | None) -> None:
@@ -252,15 +256,21 @@ class PrefixIndex:
         self._store(wid, e.engine_hashes, rhs, parent, e.tier, res, copies)
 
     def _rereport(self, name: str, wid: int, e: BlockStored, rhs: Sequence[int]) -> bool:
-        """A root chain of two or more blocks all held in the GPU tier already: vLLM's
-        report of a cached prefix (see the module's docstring), not new copies."""
-        if e.tier != DEFAULT_TIER or len(rhs) < 2 or len(e.engine_hashes) != len(rhs):
+        """A root chain all held in the GPU tier already, of two or more blocks, or of one
+        from a worker that sent such a longer one: vLLM's report of a cached prefix (see the
+        module's docstring), not new copies."""
+        if e.tier != DEFAULT_TIER or len(e.engine_hashes) != len(rhs):
+            return False
+        if len(rhs) < 2 and wid not in self._reports_full:
             return False
         pairs = zip(e.engine_hashes, rhs, strict=True)
         if any(self._core.resolve(wid, b) != rh for b, rh in pairs):
             return False
         held = self._core.find_matches(rhs).get(name)
-        return held is not None and held.by_tier.get(DEFAULT_TIER, 0) == len(rhs)
+        if held is None or held.by_tier.get(DEFAULT_TIER, 0) != len(rhs):
+            return False
+        self._reports_full.add(wid)
+        return True
 
     def store_hashes(
         self,

@@ -37,6 +37,7 @@ class Reference:
     def __init__(self) -> None:
         self.held: dict[str, dict[Key, dict[str, int]]] = {w: {} for w in WORKERS}
         self.eng: dict[str, dict[int, Key]] = {w: {} for w in WORKERS}
+        self.reports_full: set[str] = set()  # sent a re-report of 2+ blocks (kept on clear)
 
     def store(
         self,
@@ -51,12 +52,13 @@ class Reference:
             if parent not in self.eng[w]:
                 return
             base = self.eng[w][parent]
-        elif tier == DEFAULT_TIER and len(blocks) >= 2:
+        elif tier == DEFAULT_TIER and (len(blocks) >= 2 or w in self.reports_full):
             keys = [(*base, *blocks[: i + 1]) for i in range(len(blocks))]
             if all(
                 self.eng[w].get(eh) == key and tier in self.held[w].get(key, {})
                 for key, eh in zip(keys, ids, strict=True)
             ):
+                self.reports_full.add(w)
                 return  # vLLM re-reporting a cached prefix (report mode "full"): no copies
         for block, eh in zip(blocks, ids, strict=True):
             base = (*base, block)
