@@ -15,16 +15,15 @@ matching until the worker stores it again; size the bound above the fleet's tota
 so it only trips when events were lost.
 
 A block stored again is another cached copy (vLLM recomputes a block-aligned prompt's last
-block into a second physical block and evicts the copies one at a time), except a re-report:
-a request sent with `vllm_xargs: {"kv_cache_report_mode": "full"}` makes vLLM publish
-BlockStored again for the prefix it found cached, no new block behind it. A re-report is a
-chain from the root (no parent) of blocks all held already in the GPU tier; a copy never
-is, past its first block (a request that missed the prefix's first block computes the
-prefix anew, and vLLM caches blocks as it allocates them, so the next request finds them).
-Counted as copies, re-reports would keep blocks in the index forever after the engine
-evicted them. A one-block chain is also what a one-block prompt recomputed sends, so it is
-read as a re-report only from a worker that has sent a longer one (its clients ask for full
-reports); from any other it stays a copy.
+block into a second physical block and evicts the copies one at a time), except in a chain
+from the root (no parent). A request sent with `vllm_xargs: {"kv_cache_report_mode": "full"}`
+makes vLLM publish BlockStored again, from the root, for the prefix it found cached, with no
+new block behind it: counted as copies, such re-reports would keep blocks in the index after
+the engine evicted them, for good. On the wire a re-report is a root chain like any other,
+and vLLM also caches real second copies from the root (a request that skipped or could not
+use the cache: prompt_logprobs, an async KV load, EAGLE's dropped last block), so a GPU root
+chain's blocks held already count no copy. Such a real copy then leaves the index at its
+first eviction: a hit missed at worst, never a block promised that the engine has not.
 
 A block id (engine hash) stored again for a different block (vLLM's content hashes make that
 a hash collision, or a mangled batch) first releases the block it named, as BlockRemoveds of
@@ -92,7 +91,7 @@ class ApplyResult:
     unknown_removed: int = 0
     evicted_at_bound: int = 0
     evicted_at_cap: int = 0
-    rereported: int = 0  # blocks BlockStored again for a cached prefix (report mode "full")
+    rereported: int = 0  # blocks of root chains held already: no copies (report mode "full")
 
 
 class Core(Protocol):
@@ -163,7 +162,6 @@ class PrefixIndex:
         self._wids: dict[str, int] = {}
         self._models: dict[str, str] = {}
         self._free_wids: list[int] = []
-        self._reports_full: set[int] = set()  # workers seen re-reporting a cached prefix
 
     @property
     def max_entries(self) -> int:
@@ -204,7 +202,6 @@ class PrefixIndex:
         wid = self._wid(name)
         self._core.remove_worker(wid)
         del self._wids[name], self._models[name]
-        self._reports_full.discard(wid)
         self._free_wids.append(wid)
 
     def set_worker_cap(self, worker: str, max_entries: int | None) -> None:
@@ -250,27 +247,12 @@ class PrefixIndex:
             rhs = hash_blocks(e.token_ids, e.block_size, seed)
         else:
             rhs = _hash_with_extras(e.token_ids, e.block_size, seed, e.block_extras)
-        copies = not (parent is None and self._rereport(name, wid, e, rhs))
-        if not copies:
-            res.rereported += len(rhs)
-        self._store(wid, e.engine_hashes, rhs, parent, e.tier, res, copies)
-
-    def _rereport(self, name: str, wid: int, e: BlockStored, rhs: Sequence[int]) -> bool:
-        """A root chain all held in the GPU tier already, of two or more blocks, or of one
-        from a worker that sent such a longer one: vLLM's report of a cached prefix (see the
-        module's docstring), not new copies."""
-        if e.tier != DEFAULT_TIER or len(e.engine_hashes) != len(rhs):
-            return False
-        if len(rhs) < 2 and wid not in self._reports_full:
-            return False
-        pairs = zip(e.engine_hashes, rhs, strict=True)
-        if any(self._core.resolve(wid, b) != rh for b, rh in pairs):
-            return False
-        held = self._core.find_matches(rhs).get(name)
-        if held is None or held.by_tier.get(DEFAULT_TIER, 0) != len(rhs):
-            return False
-        self._reports_full.add(wid)
-        return True
+        # a GPU root chain: its blocks held already are a re-report, no copies (see above)
+        root = parent is None and e.tier == DEFAULT_TIER
+        before = res.stored
+        self._store(wid, e.engine_hashes, rhs, parent, e.tier, res, not root)
+        if root:
+            res.rereported += len(rhs) - (res.stored - before)
 
     def store_hashes(
         self,

@@ -87,6 +87,8 @@ class IngestCounters:
     unknown_removed: int = 0
     evicted_at_bound: int = 0
     refetched_blocks: int = 0  # GPU blocks stored again soon after the worker evicted them
+    # root-chain blocks stored again while held: re-reports (kv_cache_report_mode "full")
+    rereported_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -363,6 +365,7 @@ class WorkerIngest:
         c.blocks_removed += res.removed
         c.unknown_parent += res.unknown_parent
         c.unknown_removed += res.unknown_removed
+        c.rereported_blocks += res.rereported
         c.evicted_at_bound += res.evicted_at_bound
         if res.unknown_parent:
             self._burst.warn(

@@ -110,6 +110,7 @@ def _event_counters(f: Feed) -> dict[str, Any]:
         "unknown_parent": c.unknown_parent,
         "stored_blocks": c.blocks_stored,
         "removed_blocks": c.blocks_removed,
+        "rereported_blocks": c.rereported_blocks,
     }
     if f.subscriber is not None:
         st = f.subscriber.status

@@ -112,12 +112,11 @@ def test_parents_resolve_and_nothing_is_dropped(scenario: str) -> None:
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_index_equals_a_plain_reference_model(scenario: str) -> None:
     """engine hash -> router hash and a count of cached copies, kept with dicts: store
-    chains from the parent's router hash (a hash stored again is one more copy, unless a
-    root chain all held of 2+ blocks, or of 1 after such a longer one: vLLM re-reporting a
-    cached prefix), remove one copy per BlockRemoved, clear on AllBlocksCleared."""
+    chains from the parent's router hash (a hash stored again is one more copy, unless in a
+    chain from the root: vLLM re-reporting a cached prefix), remove one copy per
+    BlockRemoved, clear on AllBlocksCleared."""
     held: dict[Any, int] = {}
     copies: Counter[Any] = Counter()
-    reports_full = False  # the engine sent a re-report of 2+ blocks
     for event in wire_events(scenario):
         if isinstance(event, BlockStored):
             if event.parent_block_hash is None:
@@ -126,13 +125,11 @@ def test_index_equals_a_plain_reference_model(scenario: str) -> None:
             else:
                 seed = held[event.parent_block_hash]
             chain = hash_blocks(event.token_ids, event.block_size, seed)
-            pairs = list(zip(event.block_hashes, chain, strict=True))
-            rereport = event.parent_block_hash is None and (len(pairs) >= 2 or reports_full)
-            if rereport and all(held.get(h) == rh for h, rh in pairs):
-                reports_full = True
-            else:
-                held.update(pairs)
-                copies.update(event.block_hashes)
+            for h, rh in zip(event.block_hashes, chain, strict=True):
+                if event.parent_block_hash is None and held.get(h) == rh:
+                    continue  # a root chain's held block: a re-report, no copy
+                held[h] = rh
+                copies[h] += 1
         elif isinstance(event, BlockRemoved):
             for h in event.block_hashes:
                 copies[h] -= 1

@@ -37,7 +37,6 @@ class Reference:
     def __init__(self) -> None:
         self.held: dict[str, dict[Key, dict[str, int]]] = {w: {} for w in WORKERS}
         self.eng: dict[str, dict[int, Key]] = {w: {} for w in WORKERS}
-        self.reports_full: set[str] = set()  # sent a re-report of 2+ blocks (kept on clear)
 
     def store(
         self,
@@ -48,24 +47,18 @@ class Reference:
         tier: str,
         ids: list[int],
     ) -> None:
+        root = parent is None and tier == DEFAULT_TIER  # vLLM's re-reports come so
         if parent is not None:
             if parent not in self.eng[w]:
                 return
             base = self.eng[w][parent]
-        elif tier == DEFAULT_TIER and (len(blocks) >= 2 or w in self.reports_full):
-            keys = [(*base, *blocks[: i + 1]) for i in range(len(blocks))]
-            if all(
-                self.eng[w].get(eh) == key and tier in self.held[w].get(key, {})
-                for key, eh in zip(keys, ids, strict=True)
-            ):
-                self.reports_full.add(w)
-                return  # vLLM re-reporting a cached prefix (report mode "full"): no copies
         for block, eh in zip(blocks, ids, strict=True):
             base = (*base, block)
             if self.eng[w].get(eh, base) != base:  # the id named another block: it goes
                 del self.held[w][self.eng[w].pop(eh)]
             tiers = self.held[w].setdefault(base, {})
-            tiers[tier] = tiers.get(tier, 0) + 1
+            if not (root and tier in tiers):  # a GPU root chain's held block: no copy
+                tiers[tier] = tiers.get(tier, 0) + 1
             self.eng[w][eh] = base
 
     def remove(self, w: str, eh: int, tier: str) -> None:

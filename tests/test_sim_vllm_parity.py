@@ -490,3 +490,14 @@ async def test_without_prompt_tokens_details_usage_has_none() -> None:
     assert whole["usage"]["prompt_tokens_details"] is None  # dumped in full: null
     assert chat["usage"]["prompt_tokens_details"] is None
     assert "prompt_tokens_details" not in streamed["usage"]  # dumped without None: absent
+
+
+async def test_vllm_xargs_take_what_vllms_field_takes(client: httpx.AsyncClient) -> None:
+    """dict[str, str | int | float | list[...]]: the report mode rides in it; a null or an
+    object is a 400 naming the key, as vLLM's request model refuses it."""
+    body: dict[str, Any] = {"prompt": "x", "max_tokens": 1}
+    ok = {"kv_cache_report_mode": "full", "n": 2, "f": 0.5, "l": [1, "a"]}
+    assert (await client.post("/v1/completions", json=body | {"vllm_xargs": ok})).status_code == 200
+    for bad in (None, {"a": 1}, [None]):
+        r = await client.post("/v1/completions", json=body | {"vllm_xargs": {"mode": bad}})
+        assert r.status_code == 400 and "vllm_xargs" in r.text, r.text

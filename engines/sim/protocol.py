@@ -271,6 +271,15 @@ def _report_mode(body: Mapping[str, Any]) -> str:
     """vLLM reads `kv_cache_report_mode` from the request's `vllm_xargs` (its sampling
     params' extra_args): "full" republishes the blocks a request found cached."""
     xargs = get(body, "vllm_xargs", dict, None) or {}
+    for key, value in xargs.items():  # vLLM's field: dict[str, str | int | float | list[...]]
+        items = value if isinstance(value, list) else [value]
+        if not all(isinstance(v, str | int | float) for v in items):
+            raise schema_error(
+                ("vllm_xargs", str(key)),
+                "value_error",
+                "Input should be a string, a number or a list of them",
+                value,
+            )
     return str(xargs.get("kv_cache_report_mode", "incremental"))
 
 
