@@ -508,6 +508,11 @@ def run(args: argparse.Namespace) -> int:
         from router.processes import role_from_env
 
         role = role_from_env()
+        if role is None:  # a supervisor's children inherit the raised limit
+            from router.server import raise_open_files
+
+            if (note := raise_open_files()) is not None:
+                log.warning("%s", note)
         if config.processes > 1 and role is None:
             if args.ext_proc_port is not None:
                 raise ConfigError(

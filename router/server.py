@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import resource
 import signal
 import socket
 from collections.abc import Callable
@@ -119,6 +120,32 @@ def protocol_with_header_timeout(timeout_s: float) -> type[asyncio.Protocol]:
                 self.transport.close()
 
     return HeaderTimeoutProtocol
+
+
+OPEN_FILES = 65535  # each client and worker connection holds one (vLLM asks as many)
+
+
+def raise_open_files(target: int = OPEN_FILES) -> str | None:
+    """Raise the soft limit on open files toward `target`, as far as the hard limit allows
+    (a 1,024 soft limit is still common: past it, accepting a connection fails and clients
+    hang). Returns a warning naming the fix when the limit stays under `target`."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return None
+    want = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if want > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    if soft >= target:
+        return None
+    return (
+        f"open files limited to {soft} (hard limit {hard}): each client and worker "
+        f"connection takes one; raise the hard limit to {target} or more (ulimit -Hn, or "
+        "the container runtime's nofile ulimit)"
+    )
 
 
 def server_config(

@@ -295,6 +295,35 @@ def test_one_process_on_a_taken_port_exits_naming_it() -> None:
     assert "serving" not in done.stderr
 
 
+def test_serve_raises_its_open_files_limit() -> None:
+    """A 1,024 soft limit is still common; past it a proxy fails to accept connections.
+    `kvroute serve` raises its own toward 65,535 (vLLM asks as many), as far as the hard
+    limit allows, and says so when that is short (the taken port ends the run right after).
+    Where the hard limit allows it, the target is reached and nothing is said."""
+    import resource
+
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 4096))
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "router.cli", "serve", "--worker", "http://127.0.0.1:9"]
+    cmd += ["--port", str(port)]
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", port))
+        held.listen()
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, preexec_fn=low_limit)
+    assert done.returncode == 2, done.stderr
+    assert "open files limited to 4096 (hard limit 4096)" in done.stderr
+    assert "ulimit -Hn" in done.stderr
+    script = (
+        "import resource; from router.server import raise_open_files; "
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, 4096)); "
+        "print(raise_open_files(3000), resource.getrlimit(resource.RLIMIT_NOFILE)[0])"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert out.stdout.split() == ["None", "3000"], out.stderr
+
+
 def test_metric_files_are_written_once_per_loop_turn_and_on_every_loop(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
