@@ -339,7 +339,12 @@ class WorkerIngest:
             if isinstance(event, BlockRemoved) and event.tier == DEFAULT_TIER:
                 self._evicted.evicted(event.engine_hashes)
             elif isinstance(event, BlockStored) and event.tier == DEFAULT_TIER:
-                if n := self._evicted.stored(event.engine_hashes):
+                hashes = event.engine_hashes
+                if event.parent is None:  # a re-report names blocks still held: no prefill
+                    hashes = [
+                        h for h in hashes if self.index.router_hash_of(self.worker, h) is None
+                    ]
+                if n := self._evicted.stored(hashes):
                     self.counters.refetched_blocks += n
                     if self.refetched is not None:
                         self.refetched.add(n)

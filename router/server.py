@@ -2,9 +2,10 @@
 
 - A client's request head must arrive within `header_timeout_s` (uvicorn has no such limit:
   a slowloris client could hold a connection forever); bodies are bounded by the app.
-- An idle client connection stays open `keep_alive_timeout_s` (75 s), longer than the idle
-  timeouts of the proxies and clients that reuse it: with uvicorn's 5 s (httpx's own keep-alive
-  expiry too), a client could send a request on a connection the router was closing.
+- An idle client connection stays open `keep_alive_timeout_s` (75 s), which must exceed the
+  idle timeout of the proxy or client reusing it (75 s covers httpx, ingress-nginx and ALBs):
+  with uvicorn's 5 s (httpx's own keep-alive expiry too), a client could send a request on a
+  connection the router was closing.
 - The worker's `date` and `server` headers pass through; uvicorn adds none of its own, so a
   response carries one of each.
 - SIGTERM drains in two steps. First, for `drain_delay_s`, the router keeps serving but
@@ -141,8 +142,9 @@ def raise_open_files(target: int = OPEN_FILES) -> str | None:
             pass
     if soft >= target:
         return None
+    shown = "unlimited" if hard == resource.RLIM_INFINITY else hard
     return (
-        f"open files limited to {soft} (hard limit {hard}): each client and worker "
+        f"open files limited to {soft} (hard limit {shown}): each client and worker "
         f"connection takes one; raise the hard limit to {target} or more (ulimit -Hn, or "
         "the container runtime's nofile ulimit)"
     )

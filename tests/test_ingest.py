@@ -362,6 +362,19 @@ def test_a_decoder_bug_is_contained() -> None:
     assert ingest.counters.malformed_by_reason == {"decode": 1}
 
 
+def stored_chain(hashes: list[int], bs: int = BS) -> wire.BlockStored:
+    """A root chain of blocks whose tokens are all their hash (as `block` makes them)."""
+    return wire.BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=None,
+        token_ids=[t for h in hashes for t in [h] * bs],
+        block_size=bs,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+
+
 def removed(*hashes: int) -> bytes:
     return wire.encode_batch(0.0, [wire.BlockRemoved(block_hashes=list(hashes), medium="GPU")])
 
@@ -383,3 +396,10 @@ def test_blocks_stored_again_after_their_eviction_count_as_refetched() -> None:
     assert ingest.counters.refetched_blocks == 1  # kvroute_kv_refetched_blocks
     clock.advance(60.0)
     assert refetched.value() == pytest.approx(0.5)  # decays like demand
+    # one of block 5's two copies evicted, then its prefix re-reported from the root
+    # (kv_cache_report_mode full): still held, nothing was prefilled again
+    frames = [block(4), block(5, parent=4), block(5, parent=4), removed(5)]
+    frames += [wire.encode_batch(0.0, [stored_chain([4, 5])])]
+    for seq, frame in enumerate(frames, start=6):
+        assert ingest.on_live(seq, frame) is None
+    assert ingest.counters.refetched_blocks == 1 and index.router_hash_of("w", 5) is not None

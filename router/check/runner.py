@@ -110,7 +110,9 @@ async def run_checks(opts: Options) -> Report:
     try:
         # idle connections not reused near the workers' 5 s keep-alive (vLLM's): a call
         # sent as the worker closes one would read as a failed check
-        limits = httpx.Limits(keepalive_expiry=CONTROL_KEEPALIVE_S)
+        limits = httpx.Limits(
+            max_connections=100, max_keepalive_connections=20, keepalive_expiry=CONTROL_KEEPALIVE_S
+        )
         async with httpx.AsyncClient(
             follow_redirects=True, headers=opts.api_headers(), limits=limits
         ) as http:

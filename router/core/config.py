@@ -125,11 +125,11 @@ class Config:
     health_timeout_s: float = 2.0  # a worker's /health probe
     eject_after_timeouts: int = 3  # consecutive request timeouts that eject a worker
     header_timeout_s: float = 10.0  # a client's request head (slowloris)
-    # an idle client connection is kept this long: longer than the idle timeout of whatever
-    # reuses it (ingress-nginx and ALBs 60 s, Google's load balancers 600 s, httpx 5 s), or
-    # it may send a request on a connection the router is closing that moment and get a 502
-    # or a disconnect for it (uvicorn's 5 s equals httpx's own: both ends time the same idle
-    # connection out together)
+    # an idle client connection is kept this long, which must exceed the idle timeout of
+    # whatever reuses it (ingress-nginx and ALBs 60 s: the default covers them; Google
+    # Cloud's load balancers 600 s, Envoy's 1 h: set it higher), or that may send a request
+    # on a connection the router is closing and get a 502 or a disconnect for it (uvicorn's
+    # 5 s equals httpx's own: both ends time the same idle connection out together)
     keep_alive_timeout_s: float = 75.0
     body_timeout_s: float = 60.0  # a client's whole request body
     drain_delay_s: float = 2.0  # SIGTERM: serve on (not ready, closing connections) this long
