@@ -281,15 +281,23 @@ def test_a_port_already_served_is_refused() -> None:
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
 
 
-def test_one_process_on_a_taken_port_exits_naming_it() -> None:
-    """uvicorn, left to bind it, logged its error after "serving" and hung (SIGTERM too)."""
+def serve_on_a_taken_port(
+    preexec: Callable[[], None] | None = None,
+) -> tuple[int, subprocess.CompletedProcess[str]]:
+    """One-process `kvroute serve` on a port another socket holds: it exits 2 at the bind."""
     port = free_port()
     cmd = [sys.executable, "-m", "router.cli", "serve", "--worker", "http://127.0.0.1:9"]
     cmd += ["--port", str(port)]
     with socket.socket() as held:
         held.bind(("127.0.0.1", port))
         held.listen()
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, preexec_fn=preexec)
+    return port, done
+
+
+def test_one_process_on_a_taken_port_exits_naming_it() -> None:
+    """uvicorn, left to bind it, logged its error after "serving" and hung (SIGTERM too)."""
+    port, done = serve_on_a_taken_port()
     assert done.returncode == 2
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in done.stderr
     assert "serving" not in done.stderr
@@ -305,13 +313,7 @@ def test_serve_raises_its_open_files_limit() -> None:
     def low_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, 4096))
 
-    port = free_port()
-    cmd = [sys.executable, "-m", "router.cli", "serve", "--worker", "http://127.0.0.1:9"]
-    cmd += ["--port", str(port)]
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", port))
-        held.listen()
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, preexec_fn=low_limit)
+    _, done = serve_on_a_taken_port(low_limit)
     assert done.returncode == 2, done.stderr
     assert "open files limited to 4096 (hard limit 4096)" in done.stderr
     assert "ulimit -Hn" in done.stderr
