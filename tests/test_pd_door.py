@@ -405,3 +405,12 @@ async def test_a_decode_worker_dropping_the_connection_is_served_elsewhere() -> 
             pytest.fail("no split went to the dying decode worker")
         assert not s.app.pool.handles[name].available
         assert await s.metric('kvroute_pd_decode_errors_total{cause="closed"') == 1
+        prefill = s.names["prefill"]
+        orphaned = f'kvroute_pd_orphaned_prefills_total{{cause="decode_failed",worker="{prefill}"}}'
+        assert await s.metric(orphaned) == 1
+        # workers leave the fleet: their series by cause go (pods come back under new names)
+        decode = {"url": "http://" + s.names["decode"], "role": "decode"}
+        for workers in ([{"url": "http://" + prefill, "role": "prefill"}, decode], [decode]):
+            assert (await s.client.post("/admin/workers", json={"workers": workers})).is_success
+        page = (await s.client.get("/metrics")).text
+        assert f'worker="{name}"' not in page and orphaned not in page

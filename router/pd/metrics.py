@@ -42,6 +42,7 @@ def forget_worker(metrics: PDMetrics, worker: str) -> None:
     for counter in (metrics.verified, metrics.silent, metrics.failed_pulls, metrics.kv_bytes):
         with contextlib.suppress(KeyError):
             counter.remove(worker)
+    metrics.forget_causes(worker)
 
 
 class PDMetrics:
@@ -129,6 +130,24 @@ class PDMetrics:
             registry=r,
         )
         r.register(_Estimates(estimates))
+        # worker -> the (counter, cause) series counted for it (`by_cause`), to remove
+        self._causes: dict[str, set[tuple[Any, str]]] = {}
+
+    def by_cause(self, counter: Any, worker: str, cause: str) -> Any:
+        """A per-worker, per-cause counter's series (orphans, decode errors), remembered so
+        that a worker's series go when it leaves the fleet (`forget_causes`)."""
+        self._causes.setdefault(worker, set()).add((counter, cause))
+        return counter.labels(worker, cause)
+
+    def forget_causes(self, worker: str) -> None:
+        """A worker left the fleet: its per-cause series go (not under --processes, whose
+        files prometheus_client cannot remove from)."""
+        causes = self._causes.pop(worker, set())
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            return
+        for counter, cause in causes:
+            with contextlib.suppress(KeyError):
+                counter.remove(worker, cause)
 
 
 class _Estimates(Collector):
