@@ -508,11 +508,6 @@ def run(args: argparse.Namespace) -> int:
         from router.processes import role_from_env
 
         role = role_from_env()
-        if role is None:  # a supervisor's children inherit the raised limit
-            from router.server import raise_open_files
-
-            if (note := raise_open_files()) is not None:
-                log.warning("%s", note)
         if config.processes > 1 and role is None:
             if args.ext_proc_port is not None:
                 raise ConfigError(
@@ -626,6 +621,11 @@ def _announce(config: Config) -> None:
         config.policy,
         tokenizers,
     )
+    from router.server import raise_open_files
+
+    # before any child starts (--processes): they inherit the raised limit
+    if (short := raise_open_files()) is not None:
+        log.warning("%s", short)
     if config.admin_token is None and not _loopback(config.host):
         if config.admin_insecure:
             log.warning(

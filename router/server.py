@@ -124,12 +124,13 @@ def protocol_with_header_timeout(timeout_s: float) -> type[asyncio.Protocol]:
 
 
 OPEN_FILES = 65535  # each client and worker connection holds one (vLLM asks as many)
+OPEN_FILES_FLOOR = 4096  # below this after raising, a busy router may run out: say so
 
 
-def raise_open_files(target: int = OPEN_FILES) -> str | None:
+def raise_open_files(target: int = OPEN_FILES, floor: int = OPEN_FILES_FLOOR) -> str | None:
     """Raise the soft limit on open files toward `target`, as far as the hard limit allows
     (a 1,024 soft limit is still common: past it, accepting a connection fails and clients
-    hang). Returns a warning naming the fix when the limit stays under `target`."""
+    hang). Returns a warning naming the fix when the limit stays under `floor`."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= target:
         return None
@@ -140,7 +141,7 @@ def raise_open_files(target: int = OPEN_FILES) -> str | None:
             soft = want
         except (ValueError, OSError):
             pass
-    if soft >= target:
+    if soft >= floor:
         return None
     shown = "unlimited" if hard == resource.RLIM_INFINITY else hard
     return (

@@ -306,21 +306,34 @@ def test_one_process_on_a_taken_port_exits_naming_it() -> None:
 def test_serve_raises_its_open_files_limit() -> None:
     """A 1,024 soft limit is still common; past it a proxy fails to accept connections.
     `kvroute serve` raises its own toward 65,535 (vLLM asks as many), as far as the hard
-    limit allows, and says so when that is short (the taken port ends the run right after).
-    Where the hard limit allows it, the target is reached and nothing is said."""
+    limit allows, and warns after its start-up line when that leaves it under 4,096."""
     import resource
 
     def low_limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 4096))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 2048))
 
-    _, done = serve_on_a_taken_port(low_limit)
-    assert done.returncode == 2, done.stderr
-    assert "open files limited to 4096 (hard limit 4096)" in done.stderr
-    assert "ulimit -Hn" in done.stderr
-    script = (
+    cmd = [sys.executable, "-m", "router.cli", "serve", "--worker", "http://127.0.0.1:9"]
+    cmd += ["--port", str(free_port()), "--tokenizer", "remote"]
+    proc = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, preexec_fn=low_limit
+    )
+    try:
+        assert proc.stderr is not None
+        lines = [proc.stderr.readline() for _ in range(2)]
+        assert "serving" in lines[0], lines
+        assert "open files limited to 2048 (hard limit 2048)" in lines[1], lines
+        assert "ulimit -Hn" in lines[1]
+        limits = Path(f"/proc/{proc.pid}/limits").read_text()
+        assert re.search(r"Max open files\s+2048\s+2048", limits), limits
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        if proc.stderr is not None:
+            proc.stderr.close()
+    script = (  # where the hard limit allows it, far enough and nothing is said
         "import resource; from router.server import raise_open_files; "
         "resource.setrlimit(resource.RLIMIT_NOFILE, (256, 4096)); "
-        "print(raise_open_files(3000), resource.getrlimit(resource.RLIMIT_NOFILE)[0])"
+        "print(raise_open_files(3000, 3000), resource.getrlimit(resource.RLIMIT_NOFILE)[0])"
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert out.stdout.split() == ["None", "3000"], out.stderr
