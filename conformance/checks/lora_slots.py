@@ -19,7 +19,8 @@ and asserts:
 How long the hold lasts is the engine's: on this machine 3,500 tokens took from under 2 s
 to 20 s, as vLLM's API server, on the cores the router and this check share, kept up with
 its engine or not. A lora-a request the engine finished before any page showed it running
-(in CI one page came 17.7 s late) is sent again, up to START_ATTEMPTS times."""
+(in CI one page came 17.7 s late) is sent again, and a hold no page read fell inside is held
+again, each up to START_ATTEMPTS times: both are inconclusive, not failures."""
 
 from __future__ import annotations
 
@@ -74,7 +75,10 @@ async def lora_slots(ctx: Context, f: Findings) -> None:
     try:
         f.note("router_log", str(router.log_path))
         async with client(router.url) as via, client(engine.url) as direct:
-            await _hold(engine, via, direct, f)
+            for attempt in range(1, START_ATTEMPTS + 1):
+                if await _hold(engine, via, direct, f, last=attempt == START_ATTEMPTS):
+                    break
+                f.note("holds_unseen", attempt)  # no page read while it held: again
             page = (await via.get("/metrics")).text
     finally:
         await asyncio.to_thread(router.stop)
@@ -92,8 +96,11 @@ async def lora_slots(ctx: Context, f: Findings) -> None:
 
 
 async def _hold(
-    engine: Engine, via: httpx.AsyncClient, direct: httpx.AsyncClient, f: Findings
-) -> None:
+    engine: Engine, via: httpx.AsyncClient, direct: httpx.AsyncClient, f: Findings, last: bool
+) -> bool:
+    """One hold; False when no page read fell inside it (vLLM's API server, starved on two
+    busy cores, once answered no /metrics read for 18.8 s while the engine ran the whole
+    lora-a request) and this is not the `last` attempt: inconclusive, so held again."""
     first, second = engine.lora_name, engine.second_lora_name
     assert first is not None and second is not None
     # not streamed: nothing to relay per token, on cores the engine's are busy on
@@ -110,7 +117,7 @@ async def _hold(
                 break
             if seen is None or attempt == START_ATTEMPTS:
                 f.require(False, f"the {first} request never ran: {samples[-3:]}")
-                return
+                return True
             f.note("outran_the_page", attempt)  # done before a page showed it: again
             with contextlib.suppress(httpx.HTTPError):
                 await long
@@ -137,7 +144,10 @@ async def _hold(
     statuses = [a.status_code if isinstance(a, httpx.Response) else repr(a) for a in answers]
     f.note("held_answers", statuses)
     f.require(statuses == [200] * HELD, f"requests held for a LoRA slot were lost: {statuses}")
+    if not last and not any(_holding(s) for s in samples):
+        return False
     _judge(samples, f)
+    return True
 
 
 async def _started(
