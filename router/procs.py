@@ -179,14 +179,14 @@ async def serve_in_process(app: Any, port: int | None = None) -> AsyncIterator[s
     from router.server import server_config
 
     port = port or free_port()
-    config = server_config(
-        app,
-        "127.0.0.1",
-        port,
-        header_timeout_s=getattr(getattr(app, "config", None), "header_timeout_s", 10.0),
-        keep_alive_timeout_s=getattr(getattr(app, "config", None), "keep_alive_timeout_s", 75.0),
-        loop="asyncio",
-    )
+    cfg = getattr(app, "config", None)  # a router's own timeouts; server_config's otherwise
+    timeouts = {}
+    if cfg is not None:
+        timeouts = {
+            "header_timeout_s": cfg.header_timeout_s,
+            "keep_alive_timeout_s": cfg.keep_alive_timeout_s,
+        }
+    config = server_config(app, "127.0.0.1", port, loop="asyncio", **timeouts)
     server = _QuietServer(config)
     task = asyncio.create_task(server.serve())
     try:

@@ -20,7 +20,7 @@ How long the hold lasts is the engine's: on this machine 3,500 tokens took from 
 to 20 s, as vLLM's API server, on the cores the router and this check share, kept up with
 its engine or not. A lora-a request the engine finished before any page showed it running
 (in CI one page came 17.7 s late) is sent again, and a hold no page read fell inside is held
-again, each up to START_ATTEMPTS times: both are inconclusive, not failures."""
+again, each up to ATTEMPTS times: both are inconclusive, not failures."""
 
 from __future__ import annotations
 
@@ -44,9 +44,10 @@ from router.procs import RouterProcess
 HELD = 3  # lora-b requests held while lora-a runs (kvroute learns from 2 waiting)
 SCRAPE_S = 0.25  # kvroute's scrape interval here: several scrapes in a hold of seconds
 START_S = 60.0  # for the lora-a request to run
-# lora-a requests sent before one is seen running: on two busy cores vLLM's API server once
-# answered /metrics only after the engine had run a whole request (a page read 17.7 s late)
-START_ATTEMPTS = 3
+# tries at each inconclusive step: a lora-a request sent before one is seen running, and a
+# hold no page read fell inside (on two busy cores vLLM's API server once answered /metrics
+# only after the engine had run a whole request, a page read 17.7 s late)
+ATTEMPTS = 3
 HOLD_MAX_S = 8.0  # then the lora-a request is hung up on, if it still runs
 # the engine's page must show the hold twice this far apart, as kvroute's rule needs
 HELD_MIN_S = LEARN_CONFIRM_S
@@ -75,8 +76,8 @@ async def lora_slots(ctx: Context, f: Findings) -> None:
     try:
         f.note("router_log", str(router.log_path))
         async with client(router.url) as via, client(engine.url) as direct:
-            for attempt in range(1, START_ATTEMPTS + 1):
-                if await _hold(engine, via, direct, f, last=attempt == START_ATTEMPTS):
+            for attempt in range(1, ATTEMPTS + 1):
+                if await _hold(engine, via, direct, f, last=attempt == ATTEMPTS):
                     break
                 f.note("holds_unseen", attempt)  # no page read while it held: again
             page = (await via.get("/metrics")).text
@@ -110,12 +111,12 @@ async def _hold(
     held: list[asyncio.Task[httpx.Response]] = []
     long: asyncio.Task[httpx.Response] | None = None
     try:
-        for attempt in range(1, START_ATTEMPTS + 1):
+        for attempt in range(1, ATTEMPTS + 1):
             long = asyncio.create_task(via.post("/v1/completions", json=body))
             seen = await _started(direct, samples, long)
             if seen:
                 break
-            if seen is None or attempt == START_ATTEMPTS:
+            if seen is None or attempt == ATTEMPTS:
                 f.require(False, f"the {first} request never ran: {samples[-3:]}")
                 return True
             f.note("outran_the_page", attempt)  # done before a page showed it: again
