@@ -131,7 +131,7 @@ async def complete(
 
 
 async def stream_completion(
-    http: httpx.AsyncClient, model: str, prompt: str, *, max_tokens: int = 4
+    http: httpx.AsyncClient, model: str, prompt: str | Sequence[int], *, max_tokens: int = 4
 ) -> Completion:
     """A streaming completion: time to the first content chunk, usage from the last one."""
     body = completion_body(model, prompt, max_tokens=max_tokens, stream=True)

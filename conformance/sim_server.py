@@ -9,6 +9,7 @@ the same conformance checks run against the simulator in seconds.
 from __future__ import annotations
 
 import atexit
+import json
 import subprocess
 import sys
 import tempfile
@@ -73,6 +74,22 @@ class SimServer:
         return TOPIC
 
     @property
+    def lora_resolver_dir(self) -> Path:
+        """Where the simulator, as vLLM's filesystem LoRA resolver, finds the adapters
+        requests name; kept with the log."""
+        path = self.log_path.parent / "lora-resolver"
+        path.mkdir(exist_ok=True)
+        return path
+
+    def install_adapter(self, name: str) -> Path:
+        """An adapter the resolver loads as `name` (the simulator reads only its config)."""
+        dst = self.lora_resolver_dir / name
+        dst.mkdir()
+        doc = {"peft_type": "LORA", "base_model_name_or_path": self.model, "r": 8}
+        (dst / "adapter_config.json").write_text(json.dumps(doc))
+        return dst
+
+    @property
     def pid(self) -> int:
         if self._proc is None:
             raise SimError("not started")
@@ -89,6 +106,7 @@ class SimServer:
             cmd.append("--bytes-hashes")
         if self.enable_lora:
             cmd += ["--lora-modules", f"{LORA_NAME}={LORA_NAME}", f"{LORA_B_NAME}={LORA_NAME}"]
+            cmd += ["--lora-resolver-dir", str(self.lora_resolver_dir)]
         if not self.kv_events:
             cmd.append("--no-events")
         return cmd + list(self.extra_args)

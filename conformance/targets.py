@@ -90,6 +90,7 @@ class _Server(Protocol):
     @property
     def log_path(self) -> Path: ...
     def restart(self, *, kv_events: bool | None = None) -> Any: ...
+    def install_adapter(self, name: str) -> Path: ...
     def stop(self) -> None: ...
 
 
@@ -120,6 +121,14 @@ class Engine:
     def second_lora_name(self) -> str | None:
         """Another adapter name on the same engine: it needs a slot of its own."""
         return LORA_B_NAME if self.spec.enable_lora else None
+
+    def install_adapter(self, name: str) -> Path:
+        """A LoRA adapter this engine has not loaded, where its resolver finds it by `name`
+        (a LoRA engine loads adapters at their first request, as vLLM's filesystem
+        resolver does)."""
+        if not self.spec.enable_lora:
+            raise RuntimeError(f"engine {self.spec.role} runs without LoRA")
+        return self.server.install_adapter(name)
 
     def restart(self, *, kv_events: bool = True) -> None:
         self.server.restart(kv_events=kv_events)

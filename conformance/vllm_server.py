@@ -20,6 +20,7 @@ import argparse
 import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -130,6 +131,26 @@ class VllmServer:
         return TOPIC
 
     @property
+    def lora_resolver_dir(self) -> Path:
+        """Where vLLM's filesystem LoRA resolver finds the adapters requests name, a folder
+        each (a LoRA engine runs it, with runtime LoRA updating on); kept with the log."""
+        if not self.enable_lora:
+            raise VllmError("started without enable_lora")
+        path = self.log_path.parent / "lora-resolver"
+        path.mkdir(exist_ok=True)
+        return path
+
+    def install_adapter(self, name: str) -> Path:
+        """Put a copy of the model's LoRA where the resolver loads it as `name`: its config's
+        base_model_name_or_path must be what vLLM was started with as --model."""
+        dst = self.lora_resolver_dir / name
+        shutil.copytree(self.model_dir / LORA_NAME, dst)
+        config = dst / "adapter_config.json"
+        doc = json.loads(config.read_text())
+        config.write_text(json.dumps(doc | {"base_model_name_or_path": str(self.model_dir)}))
+        return dst
+
+    @property
     def lora_name(self) -> str:
         if not self.enable_lora:
             raise VllmError("started without enable_lora")
@@ -195,6 +216,11 @@ class VllmServer:
             VLLM_SERVER_DEV_MODE="1",  # enables POST /reset_prefix_cache
             VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES="1" if self.int_hashes else "0",
         )
+        if self.enable_lora:  # adapters loaded at their first request (the resolver)
+            env.update(
+                VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
+                VLLM_LORA_RESOLVER_CACHE_DIR=str(self.lora_resolver_dir),
+            )
         # The project's venv must not leak into the engine's interpreter.
         env.pop("VIRTUAL_ENV", None)
         env.pop("PYTHONPATH", None)

@@ -71,6 +71,7 @@ class RouterApp:
             approx_ttl_s=config.approx_ttl_s,
             max_index_entries=config.max_index_entries,
         )
+        self.fleet.lora_resolver = config.lora_resolver
         self.tokenizers = TokenizerSet.from_config(config, preloaded=tokenizer)
         # the control plane (discovery, probes, scraping, remote /tokenize): a hung worker must
         # never stall the rounds that would notice it

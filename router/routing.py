@@ -35,8 +35,8 @@ from indexer.ingest import BurstLog
 from router.core.config import Config
 from router.core.decision import Constraints, Decision, RouteRequest
 from router.core.errors import BadRequest, NoWorkerAvailable, Overloaded
-from router.core.filters import serves, unknown_model
-from router.core.fleet import EVENTS, FleetState
+from router.core.filters import unknown_model
+from router.core.fleet import EVENTS, FleetState, serves
 from router.core.load import Ticket as LoadTicket
 from router.core.picker import Picker
 from router.core.profiles import Profile
@@ -186,7 +186,8 @@ class DecisionService:
 
     def _check_model(self, model: str) -> None:
         """A model nobody serves is a 404 before any tokenizer is asked about it."""
-        if model and not any(serves(w, model) for w in self.fleet.workers.values()):
+        via = self.fleet.resolver_base(model)
+        if model and not any(serves(w, model, via) for w in self.fleet.workers.values()):
             raise unknown_model(model, self.fleet)
 
     def _precheck_length(self, rin: RoutingInput, base: str | None, limit: int) -> None:
@@ -300,13 +301,18 @@ class DecisionService:
                 "prompt": rin.prompt_text,
                 "add_special_tokens": rin.add_special_tokens,
             }
+        # an adapter loaded on demand tokenizes as its base: asked by its own name, a worker
+        # would load it for /tokenize, and a name no resolver finds would read as a worker
+        # failing /tokenize rather than the engine's 404 for the request itself
+        model = self.fleet.resolver_base(rin.model) or rin.model
+        body["model"] = model
         key = msgspec.json.encode(body)
         cached = self._remote_cache.get(key)
         if cached is not None:
             return cached
         asked = []
         for h in self.pool.handles.values():
-            if not h.available or not any(serves(s, rin.model) for s in h.states):
+            if not h.available or not any(serves(s, model) for s in h.states):
                 continue
             asked.append(h.name)
             try:

@@ -36,7 +36,8 @@ mode, block_size, api_key, role}]).
 Several models: each worker's served names (base model and LoRA adapters, from its
 /v1/models) form the model's pool; a request only goes to workers serving its `model`, and
 an unknown model is a 404 listing the served ones. Give each model its tokenizer with
---tokenizer MODEL=PATH (a LoRA adapter uses its base model's).
+--tokenizer MODEL=PATH (a LoRA adapter uses its base model's). Workers that load adapters
+on demand (vLLM's LoRA resolver): --lora-resolver BASE_MODEL.
 
 examples:
   kvroute serve --worker http://10.0.0.5:8000 --worker http://10.0.0.6:8000 \\
@@ -156,6 +157,15 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="the engines run with --exclude-tools-when-tool-choice-none: a chat whose "
         'tool_choice is "none" is rendered without its tools, as they render it',
+    )
+    p.add_argument(
+        "--lora-resolver",
+        metavar="BASE_MODEL",
+        help="the workers load LoRA adapters at their first request (vLLM with "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and a resolver plugin, e.g. "
+        "VLLM_LORA_RESOLVER_CACHE_DIR for lora_filesystem_resolver): route a model name no "
+        "worker lists as an adapter of BASE_MODEL (its tokenizer, any worker serving it); "
+        "without this such a name is a 404 listing the served models",
     )
     p.add_argument(
         "--worker-api-key",
@@ -410,6 +420,7 @@ _PLAIN = [
     "chat_template_content_format",
     "trust_request_chat_template",
     "exclude_tools_when_tool_choice_none",
+    "lora_resolver",
 ]
 
 

@@ -175,7 +175,8 @@ class WorkerChecks:
             # keeps a request "deferred" until it is scheduled, so a full batch's queue of
             # JSON or tool requests (each deferred on arrival for its grammar) is all
             # "deferred" and would teach nothing
-            plain = not f.state.adapters and f.state.role == "both"
+            adapters = f.state.adapters or self.pool.fleet.lora_resolver is not None
+            plain = not adapters and f.state.role == "both"
             deferred = 0.0 if plain else src.deferred
             if deferred is None:
                 self._learns_nothing(f.state.name, f.state.role)

@@ -10,6 +10,7 @@ from conformance.checks import (
     chaining,
     fidelity,
     fleet,
+    lora_resolver,
     lora_slots,
     metrics,
     pd,
@@ -32,6 +33,7 @@ RUN_ORDER = (
     "lora-slots",
     "index-fidelity",
     "replay",
+    "lora-resolver",
     "routing-quality",
     "fleet",
     "pd",
@@ -45,7 +47,7 @@ def registry() -> dict[str, Check]:
 
 
 __all__ = ["RUN_ORDER", "chaining", "faults", "fidelity", "fleet", "registry", "replay"]
-__all__ += ["lora_slots", "metrics", "tokenizer", "tokenizer_chat", "truncation"]
+__all__ += ["lora_resolver", "lora_slots", "metrics", "tokenizer", "tokenizer_chat", "truncation"]
 __all__ += ["wire_format"]
 __all__ += ["pd"]
 __all__ += ["routing_quality"]

@@ -91,6 +91,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="LoRA adapters served as extra model names (their blocks hash apart)",
     )
     g.add_argument(
+        "--lora-resolver-dir",
+        metavar="DIR",
+        help="load a LoRA adapter at its first request from DIR/NAME, as vLLM's filesystem "
+        "resolver does (VLLM_LORA_RESOLVER_CACHE_DIR with VLLM_ALLOW_RUNTIME_LORA_UPDATING="
+        "True): DIR/NAME/adapter_config.json must say peft_type LORA and name this model "
+        "as base_model_name_or_path",
+    )
+    g.add_argument(
         "--max-loras",
         type=int,
         default=1,
@@ -207,6 +215,7 @@ def config_from_args(
         output_len=output_len,
         lora_modules=_lora_modules(args.lora_modules),
         max_loras=args.max_loras,
+        lora_resolver_dir=args.lora_resolver_dir,
         api_key=args.api_key,
         kv_transfer=kv_transfer,
         data_parallel_size=args.data_parallel_size,

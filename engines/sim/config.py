@@ -52,6 +52,10 @@ class SimConfig:
     # vLLM's --max-loras (default 1): adapters in one batch; a request for another one waits,
     # "deferred", while other requests pass it
     max_loras: int = 1
+    # vLLM's filesystem LoRA resolver (VLLM_ALLOW_RUNTIME_LORA_UPDATING=True,
+    # VLLM_LORA_RESOLVER_CACHE_DIR): a model name not served is loaded as the adapter in
+    # <dir>/<name> at its first request, when its adapter_config.json names this model
+    lora_resolver_dir: str | None = None
     api_key: str | None = None  # vLLM's --api-key: guards /v1/* as vLLM does
     data_parallel_size: int = 1  # vLLM's --data-parallel-size: engines behind one server
     data_parallel_rank: int = 0  # which one this engine is (its events and metrics say so)

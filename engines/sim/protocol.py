@@ -4,6 +4,8 @@ one sequence per prompt and choice (a batch of prompts, `n` choices each)."""
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -95,20 +97,43 @@ class Renderer:
         model: str,
         max_model_len: int,
         loras: Mapping[str, CacheKeys] | None = None,
+        resolver_dir: str | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.model = model
         self.max_model_len = max_model_len
         self.loras = dict(loras or {})
+        self.resolver_dir = resolver_dir
 
     def served(self) -> list[str]:
         return [self.model, *self.loras]
+
+    def resolve(self, name: str) -> CacheKeys | None:
+        """vLLM's filesystem LoRA resolver (VLLM_LORA_RESOLVER_CACHE_DIR): an adapter named
+        `name` is loaded at its first request when `<dir>/<name>/adapter_config.json` is a
+        LoRA of this base model (`base_model_name_or_path`: vLLM compares its --model, the
+        simulator its model name), and served under that name from then on."""
+        if self.resolver_dir is None:
+            return None
+        path = os.path.join(self.resolver_dir, name)
+        try:
+            with open(os.path.join(path, "adapter_config.json")) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(doc, dict) or doc.get("peft_type") != "LORA":
+            return None
+        if doc.get("base_model_name_or_path") != self.model:
+            return None
+        keys = CacheKeys(lora_name=name, lora_path=path, lora_id=len(self.loras) + 1)
+        self.loras[name] = keys
+        return keys
 
     def keys_for(self, body: Mapping[str, Any]) -> CacheKeys:
         """LoRA and cache_salt of a request; 404 for a model this worker does not serve."""
         name = get(body, "model", str, None)
         salt = cache_salt(body)
-        if name and name != self.model and name not in self.loras:
+        if name and name != self.model and name not in self.loras and not self.resolve(name):
             raise ApiError(
                 f"The model `{name}` does not exist. Valid aliases: {self.model}.",
                 "NotFoundError",

@@ -87,8 +87,8 @@ def _card(name: str, root: str, parent: str | None, max_len: int | None) -> dict
 
 async def models(w: SimWorker, _: Request) -> Response:
     cards = [_card(w.config.model, w.config.model, None, w.max_model_len)]
-    for name, path in w.config.lora_modules:
-        cards.append(_card(name, path, w.config.model, None))
+    for name, keys in w.renderer.loras.items():  # --lora-modules, then those resolved
+        cards.append(_card(name, keys.lora_path or "", w.config.model, None))
     return Json({"object": "list", "data": cards})
 
 

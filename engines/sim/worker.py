@@ -109,7 +109,9 @@ class SimWorker:
             name: CacheKeys(lora_name=name, lora_path=path, lora_id=i + 1)
             for i, (name, path) in enumerate(c.lora_modules)
         }
-        self.renderer = Renderer(self.tokenizer, c.model, self.max_model_len, loras)
+        self.renderer = Renderer(
+            self.tokenizer, c.model, self.max_model_len, loras, c.lora_resolver_dir
+        )
         self.fingerprint = f"vllm-0.32.0-{hashlib.sha256(repr(c).encode()).hexdigest()[:8]}"
         self.app = build_app(self)
         self._server: _Server | None = None

@@ -99,6 +99,11 @@ class Config:
     exclude_tools_when_tool_choice_none: bool = False
     block_size: int | None = None
     model: str = ""  # the hash namespace's model part (kept "" unless chains must differ)
+    # the engines run vLLM's LoRA resolver (VLLM_ALLOW_RUNTIME_LORA_UPDATING with a
+    # resolver plugin): a model name no worker lists is routed as a LoRA adapter of this
+    # served base model, to any worker serving it, which loads it at its first request;
+    # None: such a name is a 404 listing the served models
+    lora_resolver: str | None = None
     metrics: bool = True
     admin_token: str | None = field(default=None, repr=False)
     admin_insecure: bool = False  # admin and debug endpoints without a token (else off: 404)
@@ -270,6 +275,11 @@ class Config:
                 "give MODEL: FILE (or the template itself)",
             )
         _check(self.chat_template != "", "chat_template", "is empty: give a file or a template")
+        _check(
+            self.lora_resolver != "",
+            "lora_resolver",
+            "is empty: give the served base model name whose workers load adapters on demand",
+        )
         _check(
             self.chat_template_content_format in CONTENT_FORMATS,
             "chat_template_content_format",

@@ -34,7 +34,7 @@ from typing import Protocol
 
 from router.core.decision import RouteRequest
 from router.core.errors import KvrouteError, NotFound, NoWorkerAvailable, Overloaded
-from router.core.fleet import FleetState, WorkerState
+from router.core.fleet import FleetState, serves
 from router.core.registry import Registry
 from router.core.scoring import Candidate, NoParams, uncached_tokens
 
@@ -51,16 +51,16 @@ class Filter(Protocol):
     ) -> KvrouteError | None: ...
 
 
-def serves(w: WorkerState, model: str) -> bool:
-    """A request naming no model may go anywhere (the engine picks its default); an endpoint
-    whose models are not known yet is not ruled out."""
-    return not model or w.models is None or model in w.models
-
-
 def unknown_model(model: str, fleet: FleetState) -> NotFound:
     served = ", ".join(fleet.served_models()) or "none known yet"
+    why = ""
+    if fleet.lora_resolver is not None and fleet.resolver_base(model) is not None:
+        why = (
+            f" --lora-resolver names `{fleet.lora_resolver}` as the base model of adapters "
+            "loaded on demand, and no worker serves it: name one of the served base models"
+        )
     return NotFound(
-        f"The model `{model}` does not exist on this fleet. Served models: {served}.",
+        f"The model `{model}` does not exist on this fleet. Served models: {served}.{why}",
         param="model",
     )
 
@@ -74,10 +74,11 @@ class ModelFilter:
     def exclude(
         self, req: RouteRequest, cands: Sequence[Candidate], fleet: FleetState
     ) -> dict[str, str]:
+        via = fleet.resolver_base(req.model)
         return {
             c.name: f"does not serve {req.model!r}"
             for c in cands
-            if not serves(fleet.workers[c.name], req.model)
+            if not serves(fleet.workers[c.name], req.model, via)
         }
 
     def when_empty(

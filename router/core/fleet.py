@@ -73,6 +73,10 @@ class FleetState:
         self.approx = TtlIndex(clock, approx_ttl_s, max_entries=max_index_entries)
         self.load = LoadTracker(clock=clock)
         self.workers: dict[str, WorkerState] = {}
+        # `kvroute serve --lora-resolver BASE`: a model name no endpoint lists is a LoRA
+        # adapter of BASE, which every endpoint serving BASE loads at its first request
+        # (vLLM's LoRA resolver plugins); None: such a name is unknown (a 404)
+        self.lora_resolver: str | None = None
 
     def add(self, state: WorkerState, model: str = "") -> None:
         if state.demand is None:
@@ -128,10 +132,11 @@ class FleetState:
 
     def max_model_len(self, model: str) -> int | None:
         """The shortest context length among the endpoints serving `model` (any, if "")."""
+        via = self.resolver_base(model)
         lens = [
             w.max_model_len
             for w in self.workers.values()
-            if w.max_model_len and (not model or (w.models is not None and model in w.models))
+            if w.max_model_len and (not model or (w.models is not None and serves(w, model, via)))
         ]
         return min(lens) if lens else None
 
@@ -141,4 +146,27 @@ class FleetState:
             base = w.adapters.get(model)
             if base is not None:
                 return base
-        return None
+        return self.resolver_base(model)
+
+    def resolver_base(self, model: str) -> str | None:
+        """The base model whose engines load `model` on demand (`lora_resolver`): a name no
+        endpoint lists, or an adapter of that base some endpoint loaded already (every
+        endpoint serving the base may load it too). None for anything else: a base model,
+        another base's adapter, or no resolver configured."""
+        base = self.lora_resolver
+        if base is None or not model or model == base:
+            return None
+        for w in self.workers.values():
+            if w.models is not None and model in w.models and w.adapters.get(model) != base:
+                return None
+        return base
+
+
+def serves(w: WorkerState, model: str, via: str | None = None) -> bool:
+    """A request naming no model may go anywhere (the engine picks its default); an endpoint
+    whose models are not known yet is not ruled out. `via`: the base model whose engines
+    load this adapter on demand (FleetState.resolver_base), so any endpoint serving it
+    serves the adapter too."""
+    if not model or w.models is None or model in w.models:
+        return True
+    return via is not None and via in w.models

@@ -1,0 +1,184 @@
+"""Workers that load LoRA adapters at their first request (vLLM's LoRA resolver plugins),
+behind `kvroute serve --lora-resolver BASE`: a name no worker lists goes to a worker of the
+base model's pool, which loads it; its prefixes then stick like any adapter's. Real uvicorn,
+real ZMQ, simulated vLLM workers running the filesystem resolver on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from engines.sim.config import SimConfig
+from engines.sim.fleet import Fleet, run_fleet
+from router.app import RouterApp
+from router.core.config import Config, WorkerConfig, from_mapping
+from router.core.errors import ConfigError
+from router.procs import serve_in_process
+from router.tokenize import PACKAGED_TOKENIZER
+
+pytestmark = pytest.mark.timeout(120)
+
+DOC = " ".join(f"paragraph {i} of a support ticket, answered by an adapter." for i in range(80))
+
+
+def adapter(root: Path, name: str, base: str, peft_type: str = "LORA") -> None:
+    """An adapter folder as vLLM's filesystem resolver reads it."""
+    (root / name).mkdir(parents=True)
+    doc = {"peft_type": peft_type, "base_model_name_or_path": base, "r": 8}
+    (root / name / "adapter_config.json").write_text(json.dumps(doc))
+
+
+@dataclass
+class Setup:
+    fleet: Fleet
+    app: RouterApp
+    client: httpx.AsyncClient
+
+    def name(self, i: int) -> str:
+        return f"127.0.0.1:{self.fleet.workers[i].port}"
+
+
+@asynccontextmanager
+async def resolving_fleet(root: Path, **config: Any) -> AsyncIterator[Setup]:
+    """Workers 0 and 1 serve model-a and resolve adapters from `root`; worker 2 serves
+    model-b and resolves nothing."""
+    adapter(root, "support-lora", "model-a")
+    adapter(root, "b-lora", "model-b")
+    adapter(root, "not-a-lora", "model-a", peft_type="IA3")
+
+    def sim(model: str, resolver: str | None) -> SimConfig:
+        return SimConfig(
+            block_size=16, kv_blocks=512, topic="kv-events", model=model, lora_resolver_dir=resolver
+        )
+
+    configs = [sim("model-a", str(root)), sim("model-a", str(root)), sim("model-b", None)]
+    async with run_fleet(configs=configs) as fleet:
+        config.setdefault("tokenizer", str(PACKAGED_TOKENIZER))
+        config.setdefault("lora_resolver", "model-a")
+        cfg = Config(
+            workers=tuple(WorkerConfig(u) for u in fleet.urls),
+            scrape_interval_s=0.2,
+            health_check_interval_s=0.2,
+            admin_insecure=True,
+            **config,
+        )
+        app = RouterApp(cfg)
+        async with (
+            serve_in_process(app) as url,
+            httpx.AsyncClient(base_url=url, timeout=30) as client,
+        ):
+            s = Setup(fleet, app, client)
+            for _ in range(200):
+                if all(w.models is not None for w in app.fleet.workers.values()):
+                    break
+                await asyncio.sleep(0.02)
+            else:
+                raise AssertionError("models never discovered")
+            yield s
+
+
+async def complete(s: Setup, model: str, prompt: str) -> httpx.Response:
+    body = {"model": model, "prompt": prompt, "max_tokens": 2}
+    return await s.client.post("/v1/completions", json=body)
+
+
+@pytest.mark.parametrize("tokenizer", ["local", "remote"])
+async def test_an_adapter_no_worker_lists_is_served_and_its_prefix_sticks(
+    tmp_path: Path, tokenizer: str
+) -> None:
+    spec = "remote" if tokenizer == "remote" else str(PACKAGED_TOKENIZER)
+    async with resolving_fleet(tmp_path, tokenizer=spec) as s:
+        pool_a = {s.name(0), s.name(1)}
+        first = await complete(s, "support-lora", DOC + " first")
+        assert first.status_code == 200, first.text
+        home = first.headers["x-kvroute-worker"]
+        assert home in pool_a
+        for _ in range(100):  # its KV events, and the worker now listing the adapter
+            listed = s.app.fleet.workers[home].adapters.get("support-lora") == "model-a"
+            if listed and s.app.fleet.index.entries_of(home) > 0:
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the loaded adapter never showed in the worker's /v1/models")
+        for i in range(3):
+            again = await complete(s, "support-lora", DOC + f" again {i}")
+            assert again.status_code == 200, again.text
+            assert again.headers["x-kvroute-worker"] == home
+            assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        # the adapter's blocks live in its own namespace: the base model holds none of them,
+        # and the base pool's other worker may still take the adapter (it would load it too)
+        route = await s.client.post("/debug/route", json={"model": "support-lora", "prompt": DOC})
+        doc = route.json()
+        held = {w["worker"]: w["overlap_blocks"] for w in doc["workers"]}
+        assert held[home] > 0
+        why = {w["worker"]: w["excluded"] or "" for w in doc["workers"]}
+        pool = {name for name, reason in why.items() if not reason.startswith("does not serve")}
+        assert pool == pool_a, why
+        base = await s.client.post("/debug/route", json={"model": "model-a", "prompt": DOC})
+        assert all(w["overlap_blocks"] == 0 for w in base.json()["workers"])
+
+
+async def test_a_name_no_resolver_finds_gets_the_engines_404(tmp_path: Path) -> None:
+    async with resolving_fleet(tmp_path, tokenizer="remote") as s:
+        for name in ("no-such-lora", "b-lora", "not-a-lora"):
+            resp = await complete(s, name, DOC)
+            # the engine's answer, relayed: not a router 503 for /tokenize, not a retry
+            assert resp.status_code == 404, (name, resp.text)
+            assert resp.headers["x-kvroute-worker"] in {s.name(0), s.name(1)}
+            assert "does not exist" in resp.json()["error"]["message"]
+        health = await s.client.get("/health")
+        assert health.status_code == 200, health.text
+        ok = await complete(s, "model-b", DOC)  # another base model is still its own pool
+        assert ok.status_code == 200 and ok.headers["x-kvroute-worker"] == s.name(2)
+
+
+async def test_a_resolver_base_no_worker_serves_is_named_in_the_404(tmp_path: Path) -> None:
+    async with resolving_fleet(tmp_path, lora_resolver="model-c") as s:
+        resp = await complete(s, "support-lora", DOC)
+        assert resp.status_code == 404
+        message = resp.json()["error"]["message"]
+        assert "--lora-resolver names `model-c`" in message and "model-a" in message
+
+
+async def test_without_the_flag_an_unlisted_adapter_is_kvroutes_404(tmp_path: Path) -> None:
+    async with resolving_fleet(tmp_path, lora_resolver=None) as s:
+        resp = await complete(s, "support-lora", DOC)
+        assert resp.status_code == 404
+        assert "x-kvroute-worker" not in resp.headers  # no engine was asked to load it
+        assert "Served models: model-a, model-b" in resp.json()["error"]["message"]
+
+
+def test_the_resolver_base_is_a_config_field() -> None:
+    cfg = from_mapping({"workers": ["http://a:8000"], "lora_resolver": "llama"}).validate()
+    assert cfg.lora_resolver == "llama"
+    with pytest.raises(ConfigError, match="lora_resolver"):
+        from_mapping({"workers": ["http://a:8000"], "lora_resolver": ""}).validate()
+
+
+async def test_the_simulator_resolves_as_vllms_filesystem_resolver(tmp_path: Path) -> None:
+    adapter(tmp_path, "support-lora", "model-a")
+    adapter(tmp_path, "wrong-base", "model-z")
+    cfg = SimConfig(block_size=16, kv_blocks=512, model="model-a", lora_resolver_dir=str(tmp_path))
+    async with (
+        run_fleet(configs=[cfg]) as fleet,
+        httpx.AsyncClient(base_url=fleet.urls[0], timeout=30) as http,
+    ):
+
+        async def models() -> dict[str, Any]:
+            return {m["id"]: m["parent"] for m in (await http.get("/v1/models")).json()["data"]}
+
+        assert await models() == {"model-a": None}
+        for name in ("wrong-base", "absent"):
+            body = {"model": name, "prompt": DOC, "max_tokens": 1}
+            assert (await http.post("/v1/completions", json=body)).status_code == 404
+        body = {"model": "support-lora", "prompt": DOC, "max_tokens": 1}
+        assert (await http.post("/v1/completions", json=body)).status_code == 200
+        assert await models() == {"model-a": None, "support-lora": "model-a"}
