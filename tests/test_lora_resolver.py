@@ -9,15 +9,15 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from sim_router import Setup, settle
 
 from engines.sim.config import SimConfig
-from engines.sim.fleet import Fleet, run_fleet
+from engines.sim.fleet import run_fleet
 from router.app import RouterApp
 from router.core.config import Config, WorkerConfig, from_mapping
 from router.core.errors import ConfigError
@@ -34,16 +34,6 @@ def adapter(root: Path, name: str, base: str, peft_type: str = "LORA") -> None:
     (root / name).mkdir(parents=True)
     doc = {"peft_type": peft_type, "base_model_name_or_path": base, "r": 8}
     (root / name / "adapter_config.json").write_text(json.dumps(doc))
-
-
-@dataclass
-class Setup:
-    fleet: Fleet
-    app: RouterApp
-    client: httpx.AsyncClient
-
-    def name(self, i: int) -> str:
-        return f"127.0.0.1:{self.fleet.workers[i].port}"
 
 
 @asynccontextmanager
@@ -76,12 +66,7 @@ async def resolving_fleet(root: Path, **config: Any) -> AsyncIterator[Setup]:
             httpx.AsyncClient(base_url=url, timeout=30) as client,
         ):
             s = Setup(fleet, app, client)
-            for _ in range(200):
-                if all(w.models is not None for w in app.fleet.workers.values()):
-                    break
-                await asyncio.sleep(0.02)
-            else:
-                raise AssertionError("models never discovered")
+            await settle(s)
             yield s
 
 

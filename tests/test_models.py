@@ -8,14 +8,14 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
+from sim_router import Setup, settle
 
 from engines.sim.config import SimConfig
-from engines.sim.fleet import Fleet, run_fleet
+from engines.sim.fleet import run_fleet
 from router.app import RouterApp
 from router.core.config import Config, WorkerConfig
 from router.procs import serve_in_process
@@ -25,16 +25,6 @@ pytestmark = pytest.mark.timeout(120)
 
 DOC = " ".join(f"section {i} on pools, models and adapters." for i in range(100))
 LORA = (("sql-lora", "/adapters/sql"),)
-
-
-@dataclass
-class Setup:
-    fleet: Fleet
-    app: RouterApp
-    client: httpx.AsyncClient
-
-    def name(self, i: int) -> str:
-        return f"127.0.0.1:{self.fleet.workers[i].port}"
 
 
 def sim(model: str, **kw: Any) -> SimConfig:
@@ -70,15 +60,6 @@ async def two_models(*, api_key: str | None = None, **config: Any) -> AsyncItera
 async def complete(s: Setup, model: str, prompt: str) -> httpx.Response:
     body = {"model": model, "prompt": prompt, "max_tokens": 2}
     return await s.client.post("/v1/completions", json=body)
-
-
-async def settle(s: Setup) -> None:
-    """Wait until the router knows every worker's models."""
-    for _ in range(200):
-        if all(w.models is not None for w in s.app.fleet.workers.values()):
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("models never discovered")
 
 
 async def test_each_request_goes_to_a_worker_serving_its_model() -> None:
