@@ -8,7 +8,8 @@ models) or is relaxed (`when_empty` returns None: a load bound must not refuse w
 nobody else can take). A relaxed filter's reasons still show, as notes on the endpoints it
 let through.
 
-    model       the endpoint serves the requested model or adapter (404 otherwise)
+    model       the endpoint serves the requested model or adapter, or the base model whose
+                engines load adapters on demand (--lora-resolver); 404 otherwise
     available   not ejected (health checks, connect failures, timeouts), not draining (503)
     subset      in the gateway's subset hint, when the door passes one (503)
     tried       not already tried for this request (503)
