@@ -84,7 +84,7 @@ class SimServer:
     def install_adapter(self, name: str) -> Path:
         """An adapter the resolver loads as `name` (the simulator reads only its config)."""
         dst = self.lora_resolver_dir / name
-        dst.mkdir()
+        dst.mkdir(exist_ok=True)
         doc = {"peft_type": "LORA", "base_model_name_or_path": self.model, "r": 8}
         (dst / "adapter_config.json").write_text(json.dumps(doc))
         return dst

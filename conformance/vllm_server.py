@@ -144,7 +144,7 @@ class VllmServer:
         """Put a copy of the model's LoRA where the resolver loads it as `name`: its config's
         base_model_name_or_path must be what vLLM was started with as --model."""
         dst = self.lora_resolver_dir / name
-        shutil.copytree(self.model_dir / LORA_NAME, dst)
+        shutil.copytree(self.model_dir / LORA_NAME, dst, dirs_exist_ok=True)
         config = dst / "adapter_config.json"
         doc = json.loads(config.read_text())
         config.write_text(json.dumps(doc | {"base_model_name_or_path": str(self.model_dir)}))

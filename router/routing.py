@@ -356,15 +356,22 @@ class DecisionService:
         if worker == ticket.worker or worker not in self.fleet.workers:
             return ticket
         self._release(ticket)
-        old = self.fleet.workers.get(ticket.worker)
-        if old is not None and old.caching:
-            hashes = ticket.decision.hashes.get(old.block_size, ())
-            believed = self.fleet.predictions if old.mode == EVENTS else self.fleet.approx
-            believed.withdraw(old.name, hashes)
-            self.picker.withdraw(ticket.load)
-            for tell in self.on_withdrawn:
-                tell(old.name, hashes)
+        self._unbelieve(ticket)
         return self.start(ticket.decision, worker)
+
+    def _unbelieve(self, ticket: Ticket) -> None:
+        """The endpoint started stores nothing for this request (another one served it, or
+        its engine refused it): what the pick made this router and its peers believe of
+        that endpoint's cache goes, and its event health expects no blocks for it."""
+        self.picker.withdraw(ticket.load)
+        w = self.fleet.workers.get(ticket.worker)
+        if w is None or not w.caching:
+            return
+        hashes = ticket.decision.hashes.get(w.block_size, ())
+        believed = self.fleet.predictions if w.mode == EVENTS else self.fleet.approx
+        believed.withdraw(w.name, hashes)
+        for tell in self.on_withdrawn:
+            tell(w.name, hashes)
 
     def release(self, ticket: Ticket) -> None:
         """The request will not be served there after all (a split whose prefill leg failed
@@ -396,9 +403,10 @@ class DecisionService:
         if outcome is not None:
             return
         if 400 <= status < 500:
-            # the engine refused the request (too long, bad parameters): it stored nothing,
-            # and its silence must not count against its KV events
-            self.picker.withdraw(ticket.load)
+            # the engine refused the request (too long, bad parameters, an adapter no
+            # resolver found): it stored nothing, and its silence must not count against
+            # its KV events
+            self._unbelieve(ticket)
             return
         if cached_tokens and ticket.load.expects_events and ticket.decision.request.n == 1:
             bs = ticket.decision.score_of(ticket.worker).block_size
@@ -418,9 +426,14 @@ class DecisionService:
         self.metrics.inflight_done(ticket.worker)
 
     def model_label(self, model: str) -> str:
-        """Metric labels only take names the fleet serves: clients choose the model field."""
+        """Metric labels only take names the fleet serves: clients choose the model field.
+        Adapters loaded on demand (--lora-resolver) count under their base model: a fleet
+        may load thousands, each on any worker of the base."""
         if not model:
             return "none"
+        base = self.fleet.resolver_base(model)
+        if base is not None:
+            return base
         served = any(w.models and model in w.models for w in self.fleet.workers.values())
         return model if served else "other"
 

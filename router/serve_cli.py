@@ -164,8 +164,9 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
         help="the workers load LoRA adapters at their first request (vLLM with "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True and a resolver plugin, e.g. "
         "VLLM_LORA_RESOLVER_CACHE_DIR for lora_filesystem_resolver): route a model name no "
-        "worker lists as an adapter of BASE_MODEL (its tokenizer, any worker serving it); "
-        "without this such a name is a 404 listing the served models",
+        "worker lists as an adapter of BASE_MODEL (its tokenizer, any worker serving it, "
+        "so every such worker must be able to load every adapter; metrics count them under "
+        "BASE_MODEL); without this such a name is a 404 listing the served models",
     )
     p.add_argument(
         "--worker-api-key",

@@ -39,6 +39,7 @@ class WorkerChecks:
         self.pool = pool
         self._last_error_log: dict[str, float] = {}
         self._told_learns_nothing: set[str] = set()  # workers logged as learning no limit
+        self._told_no_base = False  # the --lora-resolver base served nowhere, logged
         self.health_rounds = 0  # completed health-check rounds (tests wait on it)
         self._crowded_at: dict[str, float] = {}  # worker -> when it was last scraped for it
         self._crowded_tasks: set[asyncio.Task[None]] = set()
@@ -175,8 +176,9 @@ class WorkerChecks:
             # keeps a request "deferred" until it is scheduled, so a full batch's queue of
             # JSON or tool requests (each deferred on arrival for its grammar) is all
             # "deferred" and would teach nothing
-            adapters = f.state.adapters or self.pool.fleet.lora_resolver is not None
-            plain = not adapters and f.state.role == "both"
+            resolver = self.pool.fleet.lora_resolver
+            loads = resolver is not None and resolver in (f.state.models or ())
+            plain = not (f.state.adapters or loads) and f.state.role == "both"
             deferred = 0.0 if plain else src.deferred
             if deferred is None:
                 self._learns_nothing(f.state.name, f.state.role)
@@ -240,14 +242,36 @@ class WorkerChecks:
             for m in cards
             if m.get("parent") and m.get("parent") != m.get("id")
         }
-        if h.feeds[0].state.models is not None and names != h.feeds[0].state.models:
-            log.warning("worker %s now serves %s", h.name, ", ".join(sorted(names)))
+        before = h.feeds[0].state.models
+        if before is not None and names != before:
+            # an adapter loaded (at its first request, by a LoRA resolver, or by an operator)
+            # is routine; a model or adapter gone is not
+            level = logging.WARNING if before - names else logging.INFO
+            log.log(level, "worker %s now serves %s", h.name, ", ".join(sorted(names)))
         h.models = cards
         lens = [int(m["max_model_len"]) for m in cards if isinstance(m.get("max_model_len"), int)]
         for state in h.states:
             state.models = names
             state.adapters = adapters
             state.max_model_len = min(lens) if lens else None
+        self._check_resolver_base()
+
+    def _check_resolver_base(self) -> None:
+        """Say once when --lora-resolver names a base model no worker serves: every adapter
+        request would be a 404."""
+        base = self.pool.fleet.lora_resolver
+        states = self.pool.fleet.workers.values()
+        if base is None or self._told_no_base or any(s.models is None for s in states):
+            return
+        if not any(base in s.models for s in states if s.models and base not in s.adapters):
+            self._told_no_base = True
+            log.error(
+                "--lora-resolver names %r, which no worker serves (they serve %s): adapters "
+                "loaded on demand would all be 404s; name the base model as the workers' "
+                "/v1/models does (their --served-model-name)",
+                base,
+                ", ".join(self.pool.fleet.served_models()) or "nothing",
+            )
 
     def apply_cache_config(self, h: WorkerHandle) -> None:
         m = h.metrics

@@ -258,3 +258,17 @@ async def test_each_data_parallel_rank_learns_from_its_own_split_queue() -> None
     assert [pool.fleet.load.batch_limit(n) for n in names] == [None, 6]
     await pool.stop()
     await pool.client.aclose()
+
+
+async def test_under_a_lora_resolver_only_its_base_models_workers_read_the_split() -> None:
+    # --lora-resolver: a worker of that base may hold requests for adapters it has no slot
+    # for, so only its queue for slots teaches; a worker of another model, whose whole
+    # queue is "deferred" (JSON requests waiting on their grammar), still learns from it
+    for base, learned in (("m", None), ("another-model", 4)):
+        pool, fleet, clock = await pool_of(BIG)
+        pool.fleet.lora_resolver = base
+        e = fleet.engines[BIG]
+        e.running, e.waiting, e.deferred = 4, 6, 6
+        await learn(pool, clock)
+        assert pool.fleet.load.batch_limit(BIG) == learned, base
+        await pool.client.aclose()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -18,9 +19,11 @@ from sim_router import Setup, settle
 
 from engines.sim.config import SimConfig
 from engines.sim.fleet import run_fleet
+from indexer.clock import FakeClock
 from router.app import RouterApp
 from router.core.config import Config, WorkerConfig, from_mapping
 from router.core.errors import ConfigError
+from router.core.fleet import EVENTS, FleetState, WorkerState
 from router.procs import serve_in_process
 from router.tokenize import PACKAGED_TOKENIZER
 
@@ -125,12 +128,52 @@ async def test_a_name_no_resolver_finds_gets_the_engines_404(tmp_path: Path) -> 
         assert ok.status_code == 200 and ok.headers["x-kvroute-worker"] == s.name(2)
 
 
-async def test_a_resolver_base_no_worker_serves_is_named_in_the_404(tmp_path: Path) -> None:
-    async with resolving_fleet(tmp_path, lora_resolver="model-c") as s:
-        resp = await complete(s, "support-lora", DOC)
-        assert resp.status_code == 404
-        message = resp.json()["error"]["message"]
-        assert "--lora-resolver names `model-c`" in message and "model-a" in message
+async def test_a_refused_name_leaves_nothing_believed_and_counts_under_the_base(
+    tmp_path: Path,
+) -> None:
+    async with resolving_fleet(tmp_path) as s:
+        for _ in range(2):
+            assert (await complete(s, "no-such-lora", DOC)).status_code == 404
+        # the engine stored nothing: the pick's prediction of its blocks is withdrawn
+        route = await s.client.post("/debug/route", json={"model": "no-such-lora", "prompt": DOC})
+        assert all(w["overlap_blocks"] == 0 for w in route.json()["workers"]), route.json()
+        assert (await complete(s, "support-lora", DOC)).status_code == 200
+        page = (await s.client.get("/metrics")).text
+        # client-chosen names never become label values: adapters count under their base
+        assert 'model="model-a"' in page
+        assert "no-such-lora" not in page and "support-lora" not in page
+
+
+async def test_a_resolver_base_no_worker_serves_is_named_in_the_404(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.ERROR, logger="kvroute.workers"):
+        async with resolving_fleet(tmp_path, lora_resolver="model-c") as s:
+            resp = await complete(s, "support-lora", DOC)
+            assert resp.status_code == 404
+            message = resp.json()["error"]["message"]
+            assert "--lora-resolver names `model-c`" in message and "model-a" in message
+            for _ in range(3):  # health rounds refresh the models: said once all the same
+                rounds = s.app.pool.checks.health_rounds
+                while s.app.pool.checks.health_rounds == rounds:
+                    await asyncio.sleep(0.05)
+    told = [r.getMessage() for r in caplog.records if "--lora-resolver names" in r.getMessage()]
+    assert len(told) == 1 and "'model-c'" in told[0] and "model-b" in told[0], told
+
+
+def test_names_a_worker_of_unknown_models_may_serve_are_not_read_as_adapters() -> None:
+    fleet = FleetState(FakeClock())
+    fleet.lora_resolver = "model-a"
+    fleet.add(WorkerState("a", EVENTS, 16, models=frozenset({"model-a"})))
+    fleet.add(WorkerState("b", EVENTS, 16))  # behind an API key kvroute lacks: models unknown
+    assert fleet.resolver_base("model-b") is None
+    assert fleet.base_of("model-b") is None
+    fleet.workers["b"].models = frozenset({"model-b", "b-lora"})
+    fleet.workers["b"].adapters = {"b-lora": "model-b"}
+    assert fleet.resolver_base("model-b") is None and fleet.resolver_base("b-lora") is None
+    assert fleet.resolver_base("model-a") is None  # the base itself
+    assert fleet.resolver_base("support-lora") == "model-a"
+    assert fleet.base_of("support-lora") == "model-a"
 
 
 async def test_without_the_flag_an_unlisted_adapter_is_kvroutes_404(tmp_path: Path) -> None:

@@ -9,8 +9,9 @@ check asserts:
 - an adapter no worker listed is served (the engine loads it), and then listed, under the
   base model, by the engine's /v1/models and by the router's;
 - kvroute credits that adapter's blocks from the engine's KV events (its namespace: the
-  adapter's name) and the base model none of them, and the engine's reported cached tokens
-  on the adapter's repeat equal what kvroute predicted;
+  adapter's name; the router's own predictions expire at once, so only the events can
+  credit them) and the base model none of them, and the engine's reported cached tokens on
+  the adapter's repeat equal what kvroute predicted;
 - a name no resolver finds is the engine's own 404, relayed (not a router error)."""
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ ADAPTER = "lora-resolved"  # loaded at its first request, from main's resolver f
 ABSENT = "lora-nowhere"  # no resolver finds it
 PREFIX_BLOCKS = 10
 WAIT_S = 15.0  # for the router's next /v1/models refresh and the adapter's KV events
+PREDICTION_TTL_S = 0.05
 
 
 @check(
@@ -53,6 +55,9 @@ async def lora_resolver(ctx: Context, f: Findings) -> None:
         extra=["--lora-resolver", engine.model],
         ready_timeout=90.0,
         log_dir=ctx.workdir / "lora-resolver-router",
+        # the pick's own predictions credit the first request's blocks for 5 s: gone at
+        # once, what kvroute credits can only come from the engine's KV events
+        env={"KVROUTE_PREDICTION_TTL_S": str(PREDICTION_TTL_S)},
     )
     admin = {"authorization": f"Bearer {router.admin_token}"}
     worker = engine.url.split("://", 1)[1]
@@ -73,6 +78,7 @@ async def lora_resolver(ctx: Context, f: Findings) -> None:
                 f"the engine does not list {ADAPTER} under {engine.model} after serving it",
             )
             repeat = prefix + tokens(rng, 7)
+            await asyncio.sleep(PREDICTION_TTL_S * 2)
             seen = await _until_known(via, admin, repeat, engine.model)
             f.note("router_sees", seen)
             f.require(

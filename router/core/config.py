@@ -276,7 +276,7 @@ class Config:
             )
         _check(self.chat_template != "", "chat_template", "is empty: give a file or a template")
         _check(
-            self.lora_resolver != "",
+            self.lora_resolver is None or self.lora_resolver.strip() != "",
             "lora_resolver",
             "is empty: give the served base model name whose workers load adapters on demand",
         )
