@@ -17,6 +17,7 @@ import httpx
 import pytest
 from sim_router import Setup, settle
 
+from engines.sim.config import ConfigError as SimConfigError
 from engines.sim.config import SimConfig
 from engines.sim.fleet import run_fleet
 from indexer.clock import FakeClock
@@ -210,3 +211,34 @@ async def test_the_simulator_resolves_as_vllms_filesystem_resolver(tmp_path: Pat
         body = {"model": "support-lora", "prompt": DOC, "max_tokens": 1}
         assert (await http.post("/v1/completions", json=body)).status_code == 200
         assert await models() == {"model-a": None, "support-lora": "model-a"}
+
+
+async def test_a_data_parallel_simulator_serves_an_adapter_one_rank_loaded(
+    tmp_path: Path,
+) -> None:
+    # one API server in front of the ranks, as vLLM's: what a resolver loaded for one rank
+    # every rank serves, and /v1/models (answered by rank 0) lists
+    adapter(tmp_path, "support-lora", "model-a")
+    cfg = SimConfig(
+        block_size=16,
+        kv_blocks=512,
+        model="model-a",
+        lora_resolver_dir=str(tmp_path),
+        data_parallel_size=2,
+    )
+    async with (
+        run_fleet(configs=[cfg]) as fleet,
+        httpx.AsyncClient(base_url=fleet.urls[0], timeout=30) as http,
+    ):
+        body = {"model": "support-lora", "prompt": DOC, "max_tokens": 1}
+        rank1 = {"x-data-parallel-rank": "1"}
+        assert (await http.post("/v1/completions", json=body, headers=rank1)).status_code == 200
+        ids = [m["id"] for m in (await http.get("/v1/models")).json()["data"]]
+        assert ids == ["model-a", "support-lora"]
+        rank0 = {"x-data-parallel-rank": "0"}
+        assert (await http.post("/v1/completions", json=body, headers=rank0)).status_code == 200
+
+
+def test_the_simulator_refuses_a_resolver_folder_that_is_not_one(tmp_path: Path) -> None:
+    with pytest.raises(SimConfigError, match="not a directory"):
+        SimConfig(model="model-a", lora_resolver_dir=str(tmp_path / "absent")).validate()

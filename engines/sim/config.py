@@ -4,6 +4,7 @@ the field and the fix)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,6 +80,12 @@ class SimConfig:
         _positive("max_num_seqs", self.max_num_seqs, "e.g. --max-batch 64")
         _positive("max_num_batched_tokens", self.max_num_batched_tokens, "e.g. 8192")
         _positive("max_loras", self.max_loras, "vLLM's default is 1")
+        if self.lora_resolver_dir is not None and not os.path.isdir(self.lora_resolver_dir):
+            # vLLM refuses to start so too (VLLM_LORA_RESOLVER_CACHE_DIR)
+            raise ConfigError(
+                f"lora_resolver_dir={self.lora_resolver_dir!r} is not a directory: give the "
+                "folder that holds one folder per adapter"
+            )
         _positive("buffer_steps", self.buffer_steps, "vLLM's default is 10000")
         _positive("data_parallel_size", self.data_parallel_size, "e.g. --data-parallel-size 2")
         if not 0 <= self.port < 65536:

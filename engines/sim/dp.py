@@ -48,6 +48,10 @@ class DPSimWorker:
             )
             for r in range(n)
         ]
+        # one API server in front of the ranks, as vLLM's: an adapter a LoRA resolver loaded
+        # for a request to one rank is served, and listed, by all of them
+        for r in self.ranks[1:]:
+            r.renderer.loras = self.ranks[0].renderer.loras
         self.client: httpx.AsyncClient | None = None
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None
