@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -30,6 +29,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from router.processes import counts_worker_totals
+from router.series import LabelledSeries
 
 if TYPE_CHECKING:
     from router.workers import Feed, WorkerPool
@@ -174,7 +174,9 @@ class RouterMetrics:
             ["worker"],
             registry=r,
         )
-        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+        # labelled children, cached: labels() costs a few microseconds per call
+        self.series = LabelledSeries(removable=self.multiprocess_dir is None)
+        self.child = self.series.child
         self._retiring: set[str] = set()  # removed workers with requests still in flight
         self.inflight = Gauge(
             "kvroute_inflight_requests",
@@ -184,29 +186,20 @@ class RouterMetrics:
             multiprocess_mode="livesum",
         )
 
-    def child(self, metric: Any, *labels: str) -> Any:
-        """A labelled child, cached: labels() costs a few microseconds per call."""
-        key = (metric, labels)
-        found = self._children.get(key)
-        if found is None:
-            found = self._children[key] = metric.labels(*labels)
-        return found
-
     def forget_worker(self, names: list[str]) -> None:
         """Endpoints removed from the fleet: their series go (pods that come back under new
         addresses would grow them without bound). A request still in flight there keeps
         its in-flight gauge until it ends (`inflight_done`); one ending later starts its
         series anew. Under --processes the series live in prometheus_client's files, which
         it cannot remove from: they stay."""
-        if self.multiprocess_dir is not None:
+        if not self.series.removable:
             return
-        gone = set(names)
-        for key in [k for k in self._children if gone.intersection(k[1])]:
-            metric, child = key[0], self._children[key]
-            if metric is self.inflight and child._value.get() != 0:
-                self._retiring.add(key[1][0])
+        for key in self.series.naming(names):
+            metric, labels = key
+            if metric is self.inflight and self.child(metric, *labels)._value.get() != 0:
+                self._retiring.add(labels[0])
                 continue
-            self._drop(key)
+            self.series.drop(key)
 
     def inflight_done(self, worker: str) -> None:
         """A request there ended: one fewer in flight (and the series goes with the last of
@@ -215,13 +208,7 @@ class RouterMetrics:
         child.dec()
         if worker in self._retiring and child._value.get() == 0:
             self._retiring.discard(worker)
-            self._drop((self.inflight, (worker,)))
-
-    def _drop(self, key: tuple[Any, tuple[str, ...]]) -> None:
-        metric, labels = key
-        del self._children[key]
-        with contextlib.suppress(KeyError):
-            metric.remove(*labels)
+            self.series.drop((self.inflight, (worker,)))
 
     def count(self, model: str, worker: str, status: int, outcome: str) -> None:
         self.child(self.requests, model, worker, str(status), outcome).inc()

@@ -79,7 +79,7 @@ def test_a_data_parallel_decode_worker_removed_mid_leg_is_forgotten() -> None:
     )
     metrics = PDMetrics(CollectorRegistry(), dict, owner=True)
     v = Verifier(pool, model=None, metrics=metrics)  # type: ignore[arg-type]
-    metrics.verified.labels("W").inc(3)
+    metrics.child(metrics.verified, "W").inc(3)
     v.started("W#dp1")
     v.accounts["W"] = WorkerAccount(verified=3)
     del handles["W"]

@@ -140,7 +140,7 @@ class PDDoor:
         self.verifier.forget_removed()
         for name in names:
             self._prefill_failures.pop(name, None)
-            self.metrics.forget_causes(name)  # its orphans and decode errors by cause
+            self.metrics.forget_worker(name)  # its series: orphans and decode errors by cause
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -309,7 +309,7 @@ class PDDoor:
         count, _ = self._prefill_failures.get(worker, (0, ""))
         self._prefill_failures[worker] = (count + 1, f"{exc.cause}: {exc.detail}")
         if exc.orphan:
-            self.metrics.by_cause(self.metrics.orphans, worker, "bad_params").inc()
+            self.metrics.child(self.metrics.orphans, worker, "bad_params").inc()
         if exc.cause == "prefill_timeout":
             self.pool.note_timeout(worker, "prefill leg")
         elif exc.cause == "prefill_failed" and exc.detail.startswith(("connect", "closed")):
@@ -331,7 +331,7 @@ class PDDoor:
             self.svc.release(ticket)
             # removed while the prefill ran (the admin API, a workers file, DNS): nobody
             # will pull that KV; the proxy's way decides again among the workers left
-            self.metrics.by_cause(self.metrics.orphans, plan.prefill or "?", "decode_removed").inc()
+            self.metrics.child(self.metrics.orphans, plan.prefill or "?", "decode_removed").inc()
             self.metrics.fallbacks.labels("decode_removed").inc()
             await local(r, tagged(send, plan, fallback="decode_removed"))
             return
@@ -387,11 +387,9 @@ class PDDoor:
         self.answered(ticket, r, result, plan.prefill)
         if result.status != 200 or result.broken is not None:
             cause = result.broken or f"http_{result.status}"
-            self.metrics.by_cause(self.metrics.decode_errors, plan.decode, cause).inc()
+            self.metrics.child(self.metrics.decode_errors, plan.decode, cause).inc()
             if r.first_byte is None or result.status != 200:  # refused: it pulled nothing
-                self.metrics.by_cause(
-                    self.metrics.orphans, plan.prefill or "?", "decode_failed"
-                ).inc()
+                self.metrics.child(self.metrics.orphans, plan.prefill or "?", "decode_failed").inc()
             return None
         return self._learn_split(r, plan, sent)
 
@@ -422,15 +420,15 @@ class PDDoor:
         proxy's way instead, as the proxy serves a worker that fails so."""
         timed_out = isinstance(exc, WorkerTimedOut)
         self.svc.finish(ticket, status=0, outcome="timeout" if timed_out else "connect_failed")
-        self.metrics.by_cause(self.metrics.orphans, plan.prefill or "?", "decode_failed").inc()
+        self.metrics.child(self.metrics.orphans, plan.prefill or "?", "decode_failed").inc()
         if timed_out:
-            self.metrics.by_cause(self.metrics.decode_errors, plan.decode, "timeout").inc()
+            self.metrics.child(self.metrics.decode_errors, plan.decode, "timeout").inc()
             raise UpstreamTimeout(
                 "the decode worker did not answer in time", detail=f"{plan.decode}: {exc.detail}"
             )
         cause = "decode_closed" if reached_worker(exc) else "decode_unreachable"
         if cause == "decode_closed":
-            self.metrics.by_cause(self.metrics.decode_errors, plan.decode, "closed").inc()
+            self.metrics.child(self.metrics.decode_errors, plan.decode, "closed").inc()
         self.pool.eject(plan.decode, f"decode leg: {exc.detail}")
         self.metrics.fallbacks.labels(cause).inc()
         await local(r, tagged(send, plan, fallback=cause))
@@ -439,9 +437,9 @@ class PDDoor:
         cancelled = outcome in CANCELLED_OUTCOMES
         self.svc.finish(ticket, status=0 if cancelled else 502, outcome=outcome)
         if r.first_byte is None:  # the pull may never have happened
-            self.metrics.by_cause(self.metrics.orphans, plan.prefill or "?", outcome).inc()
+            self.metrics.child(self.metrics.orphans, plan.prefill or "?", outcome).inc()
         if not cancelled:
-            self.metrics.by_cause(self.metrics.decode_errors, plan.decode, outcome).inc()
+            self.metrics.child(self.metrics.decode_errors, plan.decode, outcome).inc()
 
     # ---- what the control endpoints show ----------------------------------------------
 

@@ -7,7 +7,6 @@ multiply the sum by the processes)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,6 +16,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from router.processes import counts_worker_totals
+from router.series import LabelledSeries
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -32,17 +32,6 @@ class _NotCounted:
 
     def remove(self, *labels: str) -> None:
         pass
-
-
-def forget_worker(metrics: PDMetrics, worker: str) -> None:
-    """A decode worker left the fleet: its series of the per-worker totals go too (not
-    under --processes: prometheus_client cannot remove from its files)."""
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        return
-    for counter in (metrics.verified, metrics.silent, metrics.failed_pulls, metrics.kv_bytes):
-        with contextlib.suppress(KeyError):
-            counter.remove(worker)
-    metrics.forget_causes(worker)
 
 
 class PDMetrics:
@@ -130,24 +119,15 @@ class PDMetrics:
             registry=r,
         )
         r.register(_Estimates(estimates))
-        # worker -> the (counter, cause) series counted for it (`by_cause`), to remove
-        self._causes: dict[str, set[tuple[Any, str]]] = {}
+        # every per-worker series is asked for through it, so that a worker's go when it
+        # leaves the fleet (`forget_worker`)
+        self.series = LabelledSeries(removable=not os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        self.child = self.series.child
 
-    def by_cause(self, counter: Any, worker: str, cause: str) -> Any:
-        """A per-worker, per-cause counter's series (orphans, decode errors), remembered so
-        that a worker's series go when it leaves the fleet (`forget_causes`)."""
-        self._causes.setdefault(worker, set()).add((counter, cause))
-        return counter.labels(worker, cause)
-
-    def forget_causes(self, worker: str) -> None:
-        """A worker left the fleet: its per-cause series go (not under --processes, whose
-        files prometheus_client cannot remove from)."""
-        causes = self._causes.pop(worker, set())
-        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            return
-        for counter, cause in causes:
-            with contextlib.suppress(KeyError):
-                counter.remove(worker, cause)
+    def forget_worker(self, worker: str) -> None:
+        """A worker left the fleet: its series go (the decode workers' totals, orphans and
+        decode errors by cause)."""
+        self.series.forget([worker])
 
 
 class _Estimates(Collector):

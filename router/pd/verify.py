@@ -22,7 +22,7 @@ import httpx
 
 from engines.sim.pd_metrics import PDSnapshot, pd_snapshot
 from router.pd.ledger import Ledger, Outcome
-from router.pd.metrics import PDMetrics, forget_worker
+from router.pd.metrics import PDMetrics
 from router.pd.model import CostModel
 from router.workers import WorkerPool
 
@@ -139,10 +139,10 @@ class Verifier:
         a.silent += out.silent
         a.failed_pulls += out.failed_pulls
         a.bytes += out.bytes
-        m.verified.labels(worker).inc(out.verified)
-        m.silent.labels(worker).inc(out.silent)
-        m.failed_pulls.labels(worker).inc(out.failed_pulls)
-        m.kv_bytes.labels(worker).inc(out.bytes)
+        m.child(m.verified, worker).inc(out.verified)
+        m.child(m.silent, worker).inc(out.silent)
+        m.child(m.failed_pulls, worker).inc(out.failed_pulls)
+        m.child(m.kv_bytes, worker).inc(out.bytes)
         self.model.observe_transfer(out.bytes, out.xfer_seconds, out.external_tokens)
         self._judge(worker, a, out)
 
@@ -193,7 +193,7 @@ class Verifier:
         live = self.pool.handles
         for w in [w for w, led in self.ledgers.items() if w not in live and led.inflight <= 0]:
             del self.ledgers[w]
-            forget_worker(self.metrics, w)
+            self.metrics.forget_worker(w)
             gone = self.accounts.pop(w, None)
             if gone is not None:
                 r = self.retired
