@@ -145,7 +145,8 @@ class RouterMetrics:
             "kvroute_peer_placements_total",
             "Messages received from the other router replicas (--peer): placements applied "
             "as predictions (applied), placements taken back (withdrawn: a gateway's fallback "
-            "served the request elsewhere; unmatched_withdrawal: one never received or expired), "
+            "served the request elsewhere, or the engine refused it; unmatched_withdrawal: one "
+            "never received or expired), "
             "in-flight load reports (load), or dropped "
             "(unknown_worker: the replicas' worker lists differ; malformed)",
             ["result"],

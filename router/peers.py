@@ -42,7 +42,8 @@ peer sends can stop the receive loop. PUB drops when a peer is slow (high-water 
 placements are hints.
 
 A request that a gateway's fallback served elsewhere than on the endpoint it was placed on
-(`DecisionService.reassign`) is taken back from that endpoint on the peers too: a
+(`DecisionService.reassign`), that the engine refused (a 4xx), or whose handoff was sent
+another way (`DecisionService.release`) is taken back from that endpoint on the peers too: a
 withdrawals message is b"withdrawals", then (endpoint, hashes) frame pairs as a placements
 message, each undoing the placement of that chain there (`TtlIndex.withdraw`). Without it a
 peer kept believing the endpoint held the prompt: for 5 s as a prediction, for 120 s as an

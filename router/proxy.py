@@ -285,6 +285,8 @@ class ProxyDoor:
             cut()
         if self.access is not None:
             self.access.write(r.rin.model, ticket, result, r.started, r.first_byte, prefill)
+        if result.broken is not None:
+            self.svc.forget_if_gone(ticket.worker)
 
     def _worker_failed(self, worker: str, exc: ConnectFailed) -> None:
         self.metrics.child(self.metrics.retries, worker).inc()

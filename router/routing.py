@@ -378,6 +378,7 @@ class DecisionService:
         is sent the proxy's way, which counts it anew): its load goes, no outcome counts."""
         if not ticket.done:
             self._release(ticket)
+            self._unbelieve(ticket)
 
     def first_token(self, ticket: Ticket) -> None:
         if ticket.first_token_at is None:
@@ -396,6 +397,19 @@ class DecisionService:
         (connect_failed, client_disconnected); otherwise the status decides."""
         if ticket.done:
             return
+        self._finish(ticket, status, cached_tokens, outcome)
+        self.forget_if_gone(ticket.worker)
+
+    def forget_if_gone(self, worker: str) -> None:
+        """A request that was in flight when its worker left the fleet has ended and been
+        counted: the series that brought back go again (the in-flight gauge only with the
+        last such request)."""
+        if worker not in self.fleet.workers:
+            self.metrics.forget_worker([worker])
+
+    def _finish(
+        self, ticket: Ticket, status: int, cached_tokens: int | None, outcome: str | None
+    ) -> None:
         self._release(ticket)
         model = self.model_label(ticket.decision.request.model)
         label = outcome or ("ok" if status < 400 else "http_error")
@@ -405,7 +419,9 @@ class DecisionService:
         if 400 <= status < 500:
             # the engine refused the request (too long, bad parameters, an adapter no
             # resolver found): it stored nothing, and its silence must not count against
-            # its KV events
+            # its KV events (vLLM may answer a non-streaming request 400 for an error
+            # raised after its prefill stored blocks: its KV events still show them, and an
+            # approximate worker's belief is short of them until they are asked again)
             self._unbelieve(ticket)
             return
         if cached_tokens and ticket.load.expects_events and ticket.decision.request.n == 1:

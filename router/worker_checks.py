@@ -245,9 +245,13 @@ class WorkerChecks:
         before = h.feeds[0].state.models
         if before is not None and names != before:
             # an adapter loaded (at its first request, by a LoRA resolver, or by an operator)
-            # is routine; a model or adapter gone is not
-            level = logging.WARNING if before - names else logging.INFO
-            log.log(level, "worker %s now serves %s", h.name, ", ".join(sorted(names)))
+            # is routine; a model or adapter gone is not. Only the change: a fleet may load
+            # thousands of adapters
+            if names - before:
+                log.info("worker %s now serves %s too", h.name, ", ".join(sorted(names - before)))
+            if before - names:
+                gone = ", ".join(sorted(before - names))
+                log.warning("worker %s no longer serves %s", h.name, gone)
         h.models = cards
         lens = [int(m["max_model_len"]) for m in cards if isinstance(m.get("max_model_len"), int)]
         for state in h.states:

@@ -24,7 +24,7 @@ from indexer.clock import FakeClock
 from router.app import RouterApp
 from router.core.config import Config, WorkerConfig, from_mapping
 from router.core.errors import ConfigError
-from router.core.fleet import EVENTS, FleetState, WorkerState
+from router.core.fleet import EVENTS, FleetState, WorkerState, serves
 from router.procs import serve_in_process
 from router.tokenize import PACKAGED_TOKENIZER
 
@@ -162,19 +162,20 @@ async def test_a_resolver_base_no_worker_serves_is_named_in_the_404(
     assert len(told) == 1 and "'model-c'" in told[0] and "model-b" in told[0], told
 
 
-def test_names_a_worker_of_unknown_models_may_serve_are_not_read_as_adapters() -> None:
+def test_a_worker_of_unknown_models_does_not_turn_the_resolver_off() -> None:
     fleet = FleetState(FakeClock())
     fleet.lora_resolver = "model-a"
     fleet.add(WorkerState("a", EVENTS, 16, models=frozenset({"model-a"})))
-    fleet.add(WorkerState("b", EVENTS, 16))  # behind an API key kvroute lacks: models unknown
-    assert fleet.resolver_base("model-b") is None
-    assert fleet.base_of("model-b") is None
-    fleet.workers["b"].models = frozenset({"model-b", "b-lora"})
-    fleet.workers["b"].adapters = {"b-lora": "model-b"}
+    fleet.add(WorkerState("new", EVENTS, 16))  # starting: its /v1/models not read yet
+    # adapters still go to the base's known workers (the new one takes any name anyway)
+    assert fleet.resolver_base("support-lora") == "model-a"
+    assert serves(fleet.workers["a"], "support-lora", "model-a")
+    fleet.workers["new"].models = frozenset({"model-b", "b-lora"})
+    fleet.workers["new"].adapters = {"b-lora": "model-b"}
+    # known: another base and its adapter keep their own pool
     assert fleet.resolver_base("model-b") is None and fleet.resolver_base("b-lora") is None
     assert fleet.resolver_base("model-a") is None  # the base itself
-    assert fleet.resolver_base("support-lora") == "model-a"
-    assert fleet.base_of("support-lora") == "model-a"
+    assert fleet.base_of("support-lora") == "model-a" and fleet.base_of("b-lora") == "model-b"
 
 
 async def test_without_the_flag_an_unlisted_adapter_is_kvroutes_404(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,7 +22,10 @@ from pd_fakes import (
     prefill_ok,
     prefill_status,
 )
+from prometheus_client import CollectorRegistry, generate_latest
 
+from router.pd.door import UNKNOWN_WORKER, PDDoor
+from router.pd.metrics import PDMetrics
 from router.pd.wire import PREFILL_PARAMS
 from router.procs import serve_in_process
 
@@ -414,3 +418,19 @@ async def test_a_decode_worker_dropping_the_connection_is_served_elsewhere() -> 
             assert (await s.client.post("/admin/workers", json={"workers": workers})).is_success
         page = (await s.client.get("/metrics")).text
         assert f'worker="{name}"' not in page and orphaned not in page
+
+
+def test_a_cause_counted_for_a_worker_that_left_keeps_no_series() -> None:
+    """A leg in flight when its worker left the fleet ends after the removal forgot the
+    worker's series: counting it there would bring one back for good."""
+    metrics = PDMetrics(CollectorRegistry(), dict, owner=True)
+    door = SimpleNamespace(metrics=metrics, svc=SimpleNamespace(fleet=SimpleNamespace()))
+    door.svc.fleet.workers = {"p:1": object()}
+
+    def series() -> str:
+        return generate_latest(metrics.orphans).decode()
+
+    for worker in ("p:1", "gone:2", UNKNOWN_WORKER):
+        PDDoor._count(door, metrics.orphans, worker, "decode_failed")  # type: ignore[arg-type]
+    assert 'worker="p:1"' in series() and f'worker="{UNKNOWN_WORKER}"' in series()
+    assert 'worker="gone:2"' not in series()

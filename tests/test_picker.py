@@ -516,6 +516,26 @@ def test_a_reassign_tells_the_other_replicas_what_to_take_back() -> None:
     assert told == [("w0", list(d.hashes[BS]))]
 
 
+@pytest.mark.parametrize("mode", [EVENTS, APPROX])
+@pytest.mark.parametrize("how", ["refused", "released"])
+def test_a_request_its_worker_stores_nothing_for_is_taken_back(mode: str, how: str) -> None:
+    """The engine refused it (a 4xx), or a handoff sent it another way after its decode
+    worker was counted: what the pick made this router and its peers believe goes."""
+    c = core(mode=mode)
+    svc = service(c)
+    told: list[str] = []
+    svc.on_withdrawn.append(lambda worker, hashes: told.append(worker))
+    tokens = prompt(5)
+    ticket = svc.start(c.route(tokens, NS), "w0")
+    assert c.route(tokens, NS).score_of("w0").overlap_blocks == 8
+    if how == "refused":
+        svc.finish(ticket, status=404)
+    else:
+        svc.release(ticket)
+    assert c.route(tokens, NS).score_of("w0").overlap_blocks == 0
+    assert told == ["w0"]
+
+
 def test_load_bound_spills_a_hot_prefix() -> None:
     c = core(balance_abs=2, balance_rel=1.0)
     store(c, "w0", prompt(7))

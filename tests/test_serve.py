@@ -622,6 +622,30 @@ async def test_otel_span_per_decision_joins_the_clients_trace() -> None:
     assert span.attributes["kvroute.prompt_tokens"] > 100
 
 
+async def test_a_request_in_flight_at_its_workers_removal_leaves_no_series_behind() -> None:
+    """It ends after the removal forgot the worker's series, and is counted then: what that
+    brings back goes again (else each rollout with requests in flight leaves series)."""
+    async with kvroute() as s:
+        body = {"model": "kvroute-sim", "prompt": DOC, "max_tokens": 64, "stream": True}
+        body["ignore_eos"] = True
+        async with s.client.stream("POST", "/v1/completions", json=body) as resp:
+            gone = worker_of(resp)
+            chunks = resp.aiter_lines()
+            assert (await anext(chunks)).startswith("data: ")
+            keep = [u for u in s.fleet.urls if not u.endswith(gone.split(":")[1])]
+            assert (await s.client.post("/admin/workers", json={"workers": keep})).is_success
+            assert gone not in s.app.fleet.workers
+            async for _ in chunks:
+                pass
+        for _ in range(100):  # the relay counts the request once its stream has ended
+            text = (await s.client.get("/metrics")).text
+            if f'worker="{gone}"' not in text:
+                break
+            await asyncio.sleep(0.02)
+        named = sorted({line.split("{")[0] for line in text.splitlines() if gone in line})
+        assert named == [], named
+
+
 async def test_a_removed_worker_leaves_no_series_caps_or_connections_behind() -> None:
     """Pods that come back under new addresses (DNS, rollouts) must not grow the router's
     metrics, index caps or connection pool without bound."""

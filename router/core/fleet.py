@@ -152,16 +152,18 @@ class FleetState:
         """The base model whose engines load `model` on demand (`lora_resolver`): a name no
         endpoint lists, or an adapter of that base some endpoint loaded already (every
         endpoint serving the base may load it too). None for anything else: a base model,
-        another base's adapter, no resolver configured, or some endpoint whose models are not
-        known yet (it may serve the name as its own model: read as an adapter, it would go
-        to workers that 404 it, tokenized and hashed as BASE's)."""
+        another base's adapter, or no resolver configured.
+
+        An endpoint whose models are not known yet (starting, or behind an API key kvroute
+        lacks, which /health names) is not asked: it is eligible for every name anyway, and
+        waiting for it would send every adapter there alone during each rollout. A name it
+        serves as its own model, and no known worker lists, may meanwhile go to BASE's
+        workers too, which answer 404."""
         base = self.lora_resolver
         if base is None or not model or model == base:
             return None
         for w in self.workers.values():
-            if w.models is None:
-                return None
-            if model in w.models and w.adapters.get(model) != base:
+            if w.models is not None and model in w.models and w.adapters.get(model) != base:
                 return None
         return base
 

@@ -51,6 +51,7 @@ ACTIVE_POLL_S = 1.0  # how soon a fleet's first prefill worker, added after star
 # prefill legs failing in a row on one worker before /health names it (one failure can be a
 # restart or a blip; every one of them costs a second prefill)
 PREFILL_FAILURES_DEGRADE = 3
+UNKNOWN_WORKER = "?"  # the worker label of an orphan whose prefill worker is not known
 # the first of --processes reads every decode worker at least this often: the KV bytes and
 # failed pulls it alone counts keep up with its siblings' splits
 SWEEP_S = 5.0
@@ -134,11 +135,20 @@ class PDDoor:
     def _decode_endpoints(self) -> list[str]:
         return [w.name for w in self.svc.fleet.workers.values() if w.role != "prefill"]
 
+    def _count(self, counter: Any, worker: str, cause: str) -> None:
+        """One orphaned prefill or failed decode leg, by worker and cause. A worker that left
+        the fleet while the request was in flight keeps no series for it: counted there,
+        it would stay for good (its removal already forgot its series)."""
+        self.metrics.child(counter, worker, cause).inc()
+        if worker != UNKNOWN_WORKER and worker not in self.svc.fleet.workers:
+            self.metrics.forget_worker(worker)
+
     def _forget_removed(self, h: object, names: list[str]) -> None:
         """Workers removed from the fleet: their ledgers, and their prefill failures (one
-        added back starts afresh)."""
+        added back starts afresh). Their endpoints' series go now; the decode totals,
+        labelled by worker, once its ledger drained (Verifier.forget_removed)."""
         self.verifier.forget_removed()
-        for name in names:
+        for name in names:  # its endpoints (data-parallel ranks: host:port#dpN)
             self._prefill_failures.pop(name, None)
             self.metrics.forget_worker(name)  # its series: orphans and decode errors by cause
 
@@ -309,7 +319,7 @@ class PDDoor:
         count, _ = self._prefill_failures.get(worker, (0, ""))
         self._prefill_failures[worker] = (count + 1, f"{exc.cause}: {exc.detail}")
         if exc.orphan:
-            self.metrics.child(self.metrics.orphans, worker, "bad_params").inc()
+            self._count(self.metrics.orphans, worker, "bad_params")
         if exc.cause == "prefill_timeout":
             self.pool.note_timeout(worker, "prefill leg")
         elif exc.cause == "prefill_failed" and exc.detail.startswith(("connect", "closed")):
@@ -331,7 +341,7 @@ class PDDoor:
             self.svc.release(ticket)
             # removed while the prefill ran (the admin API, a workers file, DNS): nobody
             # will pull that KV; the proxy's way decides again among the workers left
-            self.metrics.child(self.metrics.orphans, plan.prefill or "?", "decode_removed").inc()
+            self._count(self.metrics.orphans, plan.prefill or UNKNOWN_WORKER, "decode_removed")
             self.metrics.fallbacks.labels("decode_removed").inc()
             await local(r, tagged(send, plan, fallback="decode_removed"))
             return
@@ -387,9 +397,9 @@ class PDDoor:
         self.answered(ticket, r, result, plan.prefill)
         if result.status != 200 or result.broken is not None:
             cause = result.broken or f"http_{result.status}"
-            self.metrics.child(self.metrics.decode_errors, plan.decode, cause).inc()
+            self._count(self.metrics.decode_errors, plan.decode, cause)
             if r.first_byte is None or result.status != 200:  # refused: it pulled nothing
-                self.metrics.child(self.metrics.orphans, plan.prefill or "?", "decode_failed").inc()
+                self._count(self.metrics.orphans, plan.prefill or UNKNOWN_WORKER, "decode_failed")
             return None
         return self._learn_split(r, plan, sent)
 
@@ -420,15 +430,15 @@ class PDDoor:
         proxy's way instead, as the proxy serves a worker that fails so."""
         timed_out = isinstance(exc, WorkerTimedOut)
         self.svc.finish(ticket, status=0, outcome="timeout" if timed_out else "connect_failed")
-        self.metrics.child(self.metrics.orphans, plan.prefill or "?", "decode_failed").inc()
+        self._count(self.metrics.orphans, plan.prefill or UNKNOWN_WORKER, "decode_failed")
         if timed_out:
-            self.metrics.child(self.metrics.decode_errors, plan.decode, "timeout").inc()
+            self._count(self.metrics.decode_errors, plan.decode, "timeout")
             raise UpstreamTimeout(
                 "the decode worker did not answer in time", detail=f"{plan.decode}: {exc.detail}"
             )
         cause = "decode_closed" if reached_worker(exc) else "decode_unreachable"
         if cause == "decode_closed":
-            self.metrics.child(self.metrics.decode_errors, plan.decode, "closed").inc()
+            self._count(self.metrics.decode_errors, plan.decode, "closed")
         self.pool.eject(plan.decode, f"decode leg: {exc.detail}")
         self.metrics.fallbacks.labels(cause).inc()
         await local(r, tagged(send, plan, fallback=cause))
@@ -437,9 +447,9 @@ class PDDoor:
         cancelled = outcome in CANCELLED_OUTCOMES
         self.svc.finish(ticket, status=0 if cancelled else 502, outcome=outcome)
         if r.first_byte is None:  # the pull may never have happened
-            self.metrics.child(self.metrics.orphans, plan.prefill or "?", outcome).inc()
+            self._count(self.metrics.orphans, plan.prefill or UNKNOWN_WORKER, outcome)
         if not cancelled:
-            self.metrics.child(self.metrics.decode_errors, plan.decode, outcome).inc()
+            self._count(self.metrics.decode_errors, plan.decode, outcome)
 
     # ---- what the control endpoints show ----------------------------------------------
 
