@@ -12,12 +12,16 @@ check asserts:
   adapter's name; the router's own predictions expire at once, so only the events can
   credit them) and the base model none of them, and the engine's reported cached tokens on
   the adapter's repeat equal what kvroute predicted;
-- a name no resolver finds is the engine's own 404, relayed (not a router error)."""
+- a name no resolver finds is the engine's own 404, relayed (not a router error);
+- through a second router with `--tokenizer remote`, text prompts for the adapter (tokens
+  from the engine's /tokenize, asked as the base model) are credited exactly as the engine
+  reports them cached."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,7 +29,7 @@ import httpx
 from conformance.client import client, completion_body, stream_completion
 from conformance.registry import Findings, check
 from conformance.session import Context
-from conformance.targets import CACHED_TOKENS, ENGINE, KV_EVENTS, LORA
+from conformance.targets import CACHED_TOKENS, ENGINE, KV_EVENTS, LORA, Engine
 from conformance.traffic import token_source, tokens
 from router.procs import RouterProcess
 
@@ -48,17 +52,7 @@ PREDICTION_TTL_S = 0.05
 async def lora_resolver(ctx: Context, f: Findings) -> None:
     engine = await ctx.engine("main")
     f.note("adapter_folder", str(engine.install_adapter(ADAPTER)))
-    router = await asyncio.to_thread(
-        RouterProcess,
-        [engine.url],
-        tokenizer=ctx.tokenizer_dir,
-        extra=["--lora-resolver", engine.model],
-        ready_timeout=90.0,
-        log_dir=ctx.workdir / "lora-resolver-router",
-        # the pick's own predictions credit the first request's blocks for 5 s: gone at
-        # once, what kvroute credits can only come from the engine's KV events
-        env={"KVROUTE_PREDICTION_TTL_S": str(PREDICTION_TTL_S)},
-    )
+    router = await _router(ctx, engine, ctx.tokenizer_dir, "lora-resolver-router")
     admin = {"authorization": f"Bearer {router.admin_token}"}
     worker = engine.url.split("://", 1)[1]
     try:
@@ -113,6 +107,57 @@ async def lora_resolver(ctx: Context, f: Findings) -> None:
             )
     finally:
         await asyncio.to_thread(router.stop)
+    await _remote_tokenizer(ctx, engine, f)
+
+
+async def _router(ctx: Context, engine: Engine, tokenizer: str | Path, name: str) -> RouterProcess:
+    return await asyncio.to_thread(
+        RouterProcess,
+        [engine.url],
+        tokenizer=tokenizer,
+        extra=["--lora-resolver", engine.model],
+        ready_timeout=90.0,
+        log_dir=ctx.workdir / name,
+        # the pick's own predictions credit the first request's blocks for 5 s: gone at
+        # once, what kvroute credits can only come from the engine's KV events
+        env={"KVROUTE_PREDICTION_TTL_S": str(PREDICTION_TTL_S)},
+    )
+
+
+async def _remote_tokenizer(ctx: Context, engine: Engine, f: Findings) -> None:
+    """The same adapter's text prompts through a router that asks the engine's /tokenize
+    (as the base model: the adapter shares its tokenizer): the blocks kvroute credits from
+    those tokens are the blocks the engine reports cached."""
+    router = await _router(ctx, engine, "remote", "lora-resolver-remote-router")
+    admin = {"authorization": f"Bearer {router.admin_token}"}
+    try:
+        async with client(router.url) as via:
+            text = _text(engine.block_size * PREFIX_BLOCKS)
+            first = await stream_completion(via, ADAPTER, f"{text} The first question.")
+            repeat = f"{text} A second, different question."
+            await asyncio.sleep(PREDICTION_TTL_S * 2)
+            seen = await _until_known(via, admin, repeat, engine.model, text=True)
+            again = await stream_completion(via, ADAPTER, repeat)
+            predicted = seen["adapter_blocks"] * engine.block_size
+            f.note(
+                "remote_tokenizer",
+                {"first_prompt_tokens": first.prompt_tokens, "predicted_cached": predicted}
+                | {"engine_cached": again.cached_tokens},
+            )
+            f.require(
+                predicted > 0 and again.cached_tokens == predicted,
+                f"with --tokenizer remote: the engine's cached tokens {again.cached_tokens} "
+                f"against kvroute's prediction {predicted}",
+            )
+    finally:
+        await asyncio.to_thread(router.stop)
+
+
+def _text(min_tokens: int) -> str:
+    """Plain prose of at least `min_tokens` tokens (a word is at least one)."""
+    words = ["the", "lantern", "over", "the", "harbor", "burned", "through", "a", "long"]
+    words += ["winter", "night", "and", "its", "signal", "held"]
+    return " ".join(words[i % len(words)] for i in range(min_tokens + 40))
 
 
 async def _listed(http: httpx.AsyncClient) -> dict[str, Any]:
@@ -123,26 +168,32 @@ async def _listed(http: httpx.AsyncClient) -> dict[str, Any]:
 
 
 async def _until_known(
-    http: httpx.AsyncClient, admin: dict[str, str], prompt: list[int], base: str
+    http: httpx.AsyncClient,
+    admin: dict[str, str],
+    prompt: list[int] | str,
+    base: str,
+    *,
+    text: bool = False,
 ) -> dict[str, Any]:
     """What kvroute believes of the adapter once its /v1/models refresh and the engine's
-    KV events have reached it (or WAIT_S has passed)."""
+    KV events have reached it (or WAIT_S has passed). A text prompt's blocks are as many
+    as its tokens fill: any at all will do."""
     deadline = time.monotonic() + WAIT_S
     while True:
+        blocks = await _overlap(http, admin, ADAPTER, prompt)
         seen = {
             "router_lists": (await _listed(http)).get(ADAPTER),
-            "adapter_blocks": await _overlap(http, admin, ADAPTER, prompt),
+            "adapter_blocks": blocks,
             "base_blocks": await _overlap(http, admin, base, prompt),
         }
-        if (seen["router_lists"] and seen["adapter_blocks"] == PREFIX_BLOCKS) or (
-            time.monotonic() > deadline
-        ):
+        enough = blocks >= (1 if text else PREFIX_BLOCKS)
+        if (seen["router_lists"] and enough) or time.monotonic() > deadline:
             return seen
         await asyncio.sleep(0.2)
 
 
 async def _overlap(
-    http: httpx.AsyncClient, admin: dict[str, str], model: str, prompt: list[int]
+    http: httpx.AsyncClient, admin: dict[str, str], model: str, prompt: list[int] | str
 ) -> int:
     """The blocks of `prompt` kvroute credits its one worker with, under `model`."""
     resp = await http.post("/debug/route", json={"model": model, "prompt": prompt}, headers=admin)
