@@ -55,7 +55,7 @@ class Filter(Protocol):
 def unknown_model(model: str, fleet: FleetState) -> NotFound:
     served = ", ".join(fleet.served_models()) or "none known yet"
     why = ""
-    if fleet.lora_resolver is not None and fleet.resolver_base(model) is not None:
+    if fleet.resolver_base(model) is not None:
         why = (
             f" --lora-resolver names `{fleet.lora_resolver}` as the base model of adapters "
             "loaded on demand, and no worker serves it: name one of the served base models"

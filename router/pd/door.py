@@ -141,7 +141,7 @@ class PDDoor:
         it would stay for good (its removal already forgot its series)."""
         self.metrics.child(counter, worker, cause).inc()
         if worker != UNKNOWN_WORKER and worker not in self.svc.fleet.workers:
-            self.metrics.forget_worker(worker)
+            self.metrics.forget_worker([worker])
 
     def _forget_removed(self, h: object, names: list[str]) -> None:
         """Workers removed from the fleet: their ledgers, and their prefill failures (one
@@ -150,7 +150,7 @@ class PDDoor:
         self.verifier.forget_removed()
         for name in names:  # its endpoints (data-parallel ranks: host:port#dpN)
             self._prefill_failures.pop(name, None)
-            self.metrics.forget_worker(name)  # its series: orphans and decode errors by cause
+        self.metrics.forget_worker(names)  # their series: orphans and decode errors by cause
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -8,7 +8,7 @@ multiply the sum by the processes)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -124,10 +124,10 @@ class PDMetrics:
         self.series = LabelledSeries(removable=not os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self.child = self.series.child
 
-    def forget_worker(self, worker: str) -> None:
-        """A worker left the fleet: its series go (the decode workers' totals, orphans and
-        decode errors by cause)."""
-        self.series.forget([worker])
+    def forget_worker(self, names: Iterable[str]) -> None:
+        """Workers left the fleet: their series go (the decode workers' totals, orphans and
+        decode errors by cause), as RouterMetrics.forget_worker does the router's."""
+        self.series.forget(names)
 
 
 class _Estimates(Collector):

@@ -193,7 +193,7 @@ class Verifier:
         live = self.pool.handles
         for w in [w for w, led in self.ledgers.items() if w not in live and led.inflight <= 0]:
             del self.ledgers[w]
-            self.metrics.forget_worker(w)
+            self.metrics.forget_worker([w])
             gone = self.accounts.pop(w, None)
             if gone is not None:
                 r = self.retired
