@@ -265,7 +265,14 @@ class WorkerChecks:
         request would be a 404."""
         base = self.pool.fleet.lora_resolver
         states = self.pool.fleet.workers.values()
-        if base is None or self._told_no_base or any(s.models is None for s in states):
+        # an empty fleet (its last worker removed while its models were fetched) says nothing
+        # of the base yet
+        if (
+            base is None
+            or self._told_no_base
+            or not states
+            or any(s.models is None for s in states)
+        ):
             return
         if not any(base in s.models for s in states if s.models and base not in s.adapters):
             self._told_no_base = True

@@ -11,7 +11,8 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -27,6 +28,7 @@ from router.core.errors import ConfigError
 from router.core.fleet import EVENTS, FleetState, WorkerState, serves
 from router.procs import serve_in_process
 from router.tokenize import PACKAGED_TOKENIZER
+from router.worker_checks import WorkerChecks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -160,6 +162,21 @@ async def test_a_resolver_base_no_worker_serves_is_named_in_the_404(
                     await asyncio.sleep(0.05)
     told = [r.getMessage() for r in caplog.records if "--lora-resolver names" in r.getMessage()]
     assert len(told) == 1 and "'model-c'" in told[0] and "model-b" in told[0], told
+
+
+def test_an_empty_fleet_is_not_told_its_resolver_base_is_served_nowhere(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fleet = FleetState(FakeClock())
+    fleet.lora_resolver = "model-a"
+    checks = WorkerChecks(cast(Any, SimpleNamespace(fleet=fleet, config=Config())))
+    with caplog.at_level(logging.ERROR, logger="kvroute.workers"):
+        # the last worker removed while its models were read: nothing known of the base yet
+        checks._check_resolver_base()
+        fleet.add(WorkerState("b", EVENTS, 16, models=frozenset({"model-b"})))
+        checks._check_resolver_base()
+    told = [r.getMessage() for r in caplog.records if "--lora-resolver names" in r.getMessage()]
+    assert len(told) == 1 and "model-b" in told[0], told
 
 
 def test_a_worker_of_unknown_models_does_not_turn_the_resolver_off() -> None:
