@@ -350,11 +350,13 @@ class DecisionService:
 
     def reassign(self, ticket: Ticket, worker: str) -> Ticket:
         """The request was served by another endpoint than the one started (a gateway's
-        fallback): move its load and prediction there. The endpoint started keeps only
+        fallback, perhaps one that joined the fleet after the decision: it is counted with
+        no overlap): move its load and prediction there. The endpoint started keeps only
         what others left in its approximate or predicted entries, and its event health
         expects no blocks for it."""
         if worker == ticket.worker or worker not in self.fleet.workers:
             return ticket
+        self.picker.score_late(ticket.decision, worker)
         self._release(ticket)
         self._unbelieve(ticket)
         return self.start(ticket.decision, worker)

@@ -83,11 +83,17 @@ class Decision:
         return is_new_prefix(self.prompt_tokens, overlaps)
 
     def score_of(self, worker: str) -> WorkerScore:
+        found = self.find_score(worker)
+        if found is None:
+            raise KeyError(f"no score for worker {worker!r}")
+        return found
+
+    def find_score(self, worker: str) -> WorkerScore | None:
         for scores in (self.ranked, self.excluded):
             for s in scores:
                 if s.worker == worker:
                     return s
-        raise KeyError(f"no score for worker {worker!r}")
+        return None
 
     def explain(self) -> str:
         """The formula with its terms filled in, one line per endpoint."""

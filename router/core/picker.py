@@ -22,9 +22,11 @@ from router.core.load import Ticket
 from router.core.profiles import Profile
 from router.core.scoring import Candidate, ScoreRequest, clamp, uncached_tokens
 
-KEY_BLOCKS = 8  # the blocks of a prompt that name its placement key (siblings share them)
-
 Lookups = tuple[dict[str, Overlap], dict[str, Overlap], dict[str, Overlap]]
+
+KEY_BLOCKS = 8  # the blocks of a prompt that name its placement key (siblings share them)
+JOINED_LATE = "joined the fleet after this decision"
+_NO_LOOKUPS: Lookups = ({}, {}, {})
 
 
 class Picker:
@@ -88,6 +90,19 @@ class Picker:
         ticket = self.fleet.load.start(worker, uncached, blocks, rides)
         ticket.expects_events = expects
         return ticket
+
+    def score_late(self, decision: Decision, worker: str) -> WorkerScore:
+        """The score of an endpoint the decision never saw (it joined the fleet since, and a
+        gateway's fallback served the request there): no overlap claimed, its load as now.
+        Kept with the decision's excluded ones, so the commit, the outcome and the access log
+        read it as any other."""
+        found = decision.find_score(worker)
+        if found is not None:
+            return found
+        c = self._candidate(self.fleet.workers[worker], _NO_LOOKUPS)
+        late = self._score(c, {}, decision.weights, excluded=JOINED_LATE)
+        decision.excluded.append(late)
+        return late
 
     def withdraw(self, ticket: Ticket) -> None:
         """The engine refused the request: it will store no blocks for it, so its event

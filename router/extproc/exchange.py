@@ -24,6 +24,7 @@ its response a 502, each as the proxy counts it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -112,7 +113,7 @@ class Exchange:
         if which == "response_body":
             return self._response_body(req.response_body)
         if which == "response_trailers" and self.ticket is not None:
-            self._account(b"", True)  # FULL_DUPLEX_STREAMED: the trailers end the response
+            self._safely(self._account, b"", True)  # FULL_DUPLEX_STREAMED: the trailers end it
         return [gie.passthrough(which)] if which else []
 
     # ---- request ------------------------------------------------------------------------
@@ -208,6 +209,12 @@ class Exchange:
     # ---- response: load accounting only ---------------------------------------------------
 
     def _response_headers(self, req: gie.ProcessingRequest) -> Responses:
+        self._safely(self._note_response, req)
+        if self.picked is None:
+            return [gie.passthrough("response_headers")]
+        return [gie.with_headers("response_headers", ((WORKER_HEADER, self.picked),))]
+
+    def _note_response(self, req: gie.ProcessingRequest) -> None:
         headers = gie.headers_of(req.response_headers, _RESPONSE_HEADERS)
         self.status = int(headers.get(":status", "0") or 0)
         self.streaming = headers.get("content-type", "").startswith("text/event-stream")
@@ -225,16 +232,22 @@ class Exchange:
             # the stream's close (Envoy holds the stream until the response is done)
             self.first = False
             self.svc.first_token(self.ticket)
-        if self.picked is None:
-            return [gie.passthrough("response_headers")]
-        return [gie.with_headers("response_headers", ((WORKER_HEADER, self.picked),))]
 
     def _response_body(self, msg: Any) -> Responses:
         if self.ticket is not None:
-            self._account(msg.body, msg.end_of_stream)
+            self._safely(self._account, msg.body, msg.end_of_stream)
         if self.duplex_response:
             return [gie.streamed_body(msg.body, end=msg.end_of_stream, phase="response_body")]
         return [gie.passthrough("response_body")]
+
+    def _safely(self, note: Callable[..., None], *args: Any) -> None:
+        """Bookkeeping of a response a worker served: a failure is logged, never let to fail
+        the stream (Envoy would answer the client an error in the response's place). A
+        ticket it left open is concluded when the stream closes."""
+        try:
+            note(*args)
+        except Exception:
+            log.exception("ext_proc: accounting for request %s failed", self.rid or "(no id)")
 
     def _account(self, chunk: bytes, end: bool) -> None:
         if self.first and chunk:
