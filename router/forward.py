@@ -88,6 +88,9 @@ class Outcome:
     cached_tokens: int | None = None
     bytes_out: int = 0
     broken: str | None = None  # why a response that had started was cut short
+    # a stream cut for the worker's silence: how long it had been silent (the timeout that
+    # expired), so the door can ask whether the engine generated anything meanwhile
+    silent_s: float = 0.0
     # a cut body with no in-band end (not an event stream): its last chunk was held back,
     # and the door closes the client's connection (`CUT_RESPONSE`)
     cut: bool = False
@@ -166,6 +169,7 @@ class Forwarder:
         method: bytes = b"POST",
         timeouts: Timeouts | None = None,
     ) -> Outcome:
+        timeouts = timeouts or self.pool.timeouts
         try:
             response = await self.pool.request(
                 host, port, method, path, headers, body, tls, timeouts
@@ -182,7 +186,9 @@ class Forwarder:
             raise WorkerTimedOut(worker, "no response head in time") from None
         try:
             origin = b"%s:%d" % (host.encode(), port)
-            outcome = await self._relay(worker, response, send, request_id, on_first_byte, origin)
+            outcome = await self._relay(
+                worker, response, send, request_id, on_first_byte, origin, timeouts
+            )
         except BaseException:
             response.close()
             raise
@@ -196,6 +202,7 @@ class Forwarder:
         request_id: bytes,
         on_first_byte: Callable[[], None],
         origin: bytes,  # the worker's host:port, as its Location headers name it
+        timeouts: Timeouts,
     ) -> Outcome:
         listed = connection_listed(response.headers)
         headers = [
@@ -229,6 +236,7 @@ class Forwarder:
             # the response already started: end it so the client can tell it was cut short
             outcome.status = 502
             outcome.broken = "timeout" if isinstance(exc, TimeoutError) else "worker_failed"
+            outcome.silent_s = timeouts.first_chunk if first else timeouts.between_chunks
             response.close()
             if not ctype.startswith(b"text/event-stream"):
                 outcome.cut = True

@@ -214,7 +214,7 @@ class ProxyDoor:
                 if timed_out and not r.rin.stream:
                     raise self._whole_timeout(choice.worker, sent_at) from None
                 failures.append(str(exc))
-                self._worker_failed(choice.worker, exc)
+                self._worker_failed(choice.worker, exc, sent_at)
             except asyncio.CancelledError:
                 outcome = r.cancelled_outcome()
                 raise
@@ -230,8 +230,7 @@ class ProxyDoor:
         (and cut their streams) one long request at a time. It counts as one only where the
         worker's engine generated no token meanwhile (its scrapes): an engine hung behind a
         live API server passes health checks, and non-streaming traffic must still find it."""
-        if not self.pool.progressed_since(worker, sent_at):
-            self.pool.note_timeout(worker, "no answer, and its engine generated no token meanwhile")
+        self._timed_out(worker, sent_at, "no answer")
         return UpstreamTimeout(
             f"no answer within the request timeout ({self.config.request_timeout_s:g} s): "
             "a non-streaming answer comes whole; stream it, or raise --request-timeout",
@@ -276,7 +275,8 @@ class ProxyDoor:
         body's closed connection, the access log line."""
         if result.broken == "timeout":
             # a worker that sends a stream's head and then hangs is hung all the same
-            self.pool.note_timeout(ticket.worker, "no chunk within the timeout")
+            since = self.pool.clock.now() - result.silent_s
+            self._timed_out(ticket.worker, since, "no chunk within the timeout")
         elif result.broken is None:
             self.pool.note_answered(ticket.worker)
         if result.broken is not None:
@@ -288,10 +288,18 @@ class ProxyDoor:
         if result.broken is not None:
             self.svc.forget_if_gone(ticket.worker)
 
-    def _worker_failed(self, worker: str, exc: ConnectFailed) -> None:
+    def _timed_out(self, worker: str, since: float, why: str) -> None:
+        """A request waited on the worker past its timeout. It counts toward ejecting the
+        worker only where its engine generated no token since `since` (its scrapes): a busy
+        engine queues new streams past the first-byte timeout while it generates for the
+        others, and ejecting it would cut those streams too."""
+        if not self.pool.progressed_since(worker, since):
+            self.pool.note_timeout(worker, f"{why}, and its engine generated no token meanwhile")
+
+    def _worker_failed(self, worker: str, exc: ConnectFailed, sent_at: float) -> None:
         self.metrics.child(self.metrics.retries, worker).inc()
         if isinstance(exc, WorkerTimedOut):
-            self.pool.note_timeout(worker, exc.detail)
+            self._timed_out(worker, sent_at, exc.detail)
         else:
             self.pool.eject(worker, f"connect failed: {exc.detail}")
 

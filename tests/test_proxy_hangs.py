@@ -1,0 +1,112 @@
+"""Hung, busy and slow parties on the proxy's request path, on the wire: workers on real
+uvicorn (the server vLLM runs), the router on kvroute's own server, clients on sockets.
+
+A busy engine is not a hung one; a hung API server's data-parallel ranks are hung together;
+a client that stops reading lets go of its request."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+from test_proxy_wire import Worker, _json
+
+from router.app import RouterApp
+from router.core.config import Config, WorkerConfig
+from router.procs import serve_in_process
+from router.tokenize import PACKAGED_TOKENIZER
+
+pytestmark = pytest.mark.timeout(60)
+
+SSE = [(b"content-type", b"text/event-stream")]
+
+
+class Engine(Worker):
+    """The test worker with an engine behind it: its /metrics count generated tokens (they
+    climb at every scrape while `generating`), and it may run data-parallel `ranks`."""
+
+    def __init__(self, ranks: int = 0) -> None:
+        super().__init__()
+        self.generating = False
+        self.tokens = 0
+        self.ranks = ranks
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path")
+        if path == "/metrics":
+            self.tokens += 100 if self.generating else 0
+            text = b'vllm:generation_tokens_total{model_name="m"} %d\n' % self.tokens
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": text})
+            return
+        if path == "/kv_event_sources" and self.ranks:
+            while (await receive()).get("more_body"):
+                pass
+            doc = [
+                {"data_parallel_rank": r, "endpoint": "tcp://127.0.0.1:1", "topic": ""}
+                for r in range(self.ranks)
+            ]
+            return await _json(send, doc)
+        await super().__call__(scope, receive, send)
+
+
+@asynccontextmanager
+async def fleet(*engines: Engine, **config: Any) -> AsyncIterator[tuple[RouterApp, str]]:
+    """The router in front of `engines`; yields it and its URL. Engines with ranks are
+    discovered as data-parallel workers, the others are approximate."""
+    config.setdefault("tokenizer", str(PACKAGED_TOKENIZER))
+    config.setdefault("health_check_interval_s", 0.3)
+    config.setdefault("scrape_interval_s", 0.1)
+    async with AsyncExitStack() as stack:
+        urls = [await stack.enter_async_context(serve_in_process(e)) for e in engines]
+        workers = tuple(
+            WorkerConfig(u) if e.ranks else WorkerConfig(u, mode="approx")
+            for u, e in zip(urls, engines, strict=True)
+        )
+        app = RouterApp(Config(workers=workers, **config))
+        url = await stack.enter_async_context(serve_in_process(app))
+        for _ in range(100):
+            if all(h.available and h.discovered for h in app.pool.handles.values()):
+                break
+            await asyncio.sleep(0.05)
+        yield app, url
+
+
+def completion(prompt: str = "hello") -> dict[str, Any]:
+    return {"model": "m", "prompt": prompt, "stream": True}
+
+
+@pytest.mark.parametrize(
+    ("generating", "ejected"),
+    [
+        pytest.param(True, False, id="busy-engine-stays"),
+        pytest.param(False, True, id="hung-engine-ejected"),
+    ],
+)
+async def test_a_stream_queued_past_the_first_byte_timeout_counts_only_on_an_idle_engine(
+    generating: bool, ejected: bool
+) -> None:
+    """vLLM sends a stream's head at once; a stream queued behind a busy batch then waits
+    past the first-byte timeout while the engine generates for the others."""
+
+    async def queued(scope: Any, receive: Any, send: Any, body: bytes) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": SSE})
+        await asyncio.sleep(1.0)  # its first token comes after the timeout
+        await send({"type": "http.response.body", "body": b"data: {}\n\ndata: [DONE]\n\n"})
+
+    engine = Engine()
+    engine.generating = generating
+    engine.handlers["/v1/completions"] = queued
+    async with (
+        fleet(engine, first_byte_timeout_s=0.5, eject_after_timeouts=2) as (app, url),
+        httpx.AsyncClient(base_url=url, timeout=10) as client,
+    ):
+        h = next(iter(app.pool.handles.values()))
+        for _ in range(2):
+            await client.post("/v1/completions", json=completion())
+        assert h.available is not ejected
+        assert (h.timeouts == 0) is generating
