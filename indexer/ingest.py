@@ -184,10 +184,17 @@ class WorkerIngest:
         if frames is None:
             self.counters.replay_failures += 1
             return
-        for seq, payload in frames:
-            self._ordered(seq, payload, "the replay buffer no longer holds the missed batches")
+        self.apply_replayed(frames)
         if frames and self.tracker.last_applied is not None:
             self.tracker.replayed_on_connect(self.tracker.last_applied)
+
+    def apply_replayed(self, frames: Sequence[tuple[int, bytes]]) -> None:
+        """Apply part of a replay ahead of its `finish_*` call: a long one is applied in
+        parts, so that routing is not held up while 10,000 batches go in."""
+        for seq, payload in frames:
+            self._ordered(
+                seq, payload, "the replay did not return them (out of the engine's buffer, or lost)"
+            )
 
     def malformed_frame(self, detail: str) -> None:
         """The transport received a message that is not (topic, seq, payload)."""
@@ -226,8 +233,7 @@ class WorkerIngest:
         pending, self._pending = self._pending, []
         if frames is None:
             self.counters.replay_failures += 1
-        for seq, payload in frames or ():
-            self._ordered(seq, payload, "the replay buffer no longer holds the missed batches")
+        self.apply_replayed(frames or ())
         for seq, payload in pending:
             self._ordered(seq, payload, "the replay did not cover the gap")
 

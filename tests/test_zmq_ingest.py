@@ -187,6 +187,80 @@ async def test_lost_batches_and_late_join_recover_through_replay(
         await pub.stop()
 
 
+async def test_a_replay_of_the_engines_whole_buffer_comes_back_whole() -> None:
+    """vLLM buffers 10,000 batches and sends a replay in one loop on a ROUTER socket, which
+    drops what its 1,000-message queue cannot hold; the simulator's publisher does the same.
+    A router (re)started beside a busy engine must still index every buffered batch, without
+    holding its event loop for the whole replay."""
+    n = 10_000
+    pub = await started(drop=set())
+    engine = Engine(pub)
+    try:
+        for chain in range(n):  # published before anyone listens; a busy engine's batches
+            await engine.store(chain, n_blocks=64)
+        seen: set[int | None] = set()
+        running = True
+
+        async def tick() -> None:  # what other tasks see while the replay is applied
+            while running:
+                seen.add(ingest.tracker.last_applied if ingest is not None else None)
+                await asyncio.sleep(0)
+
+        ingest: WorkerIngest | None = None
+        ticker = asyncio.create_task(tick())
+        try:
+            async with subscribed(pub) as (index, ingest, _):
+                await wait_until(lambda: ingest.tracker.last_applied == n - 1, timeout=20)
+                assert index.entries_of("w") == sum(truth(engine).values()) == n * 64
+                c = ingest.counters
+                assert (c.resyncs, c.replay_failures, c.gaps) == (0, 0, 0), c
+        finally:
+            running = False
+            await ticker
+        assert len({s for s in seen if s is not None and 0 < s < n - 1}) >= 10, sorted(
+            s for s in seen if s is not None
+        )[:20]
+    finally:
+        await pub.stop()
+
+
+async def test_a_replay_cut_short_is_asked_again_from_its_first_missing_batch() -> None:
+    """Where the engine's sending outruns the network, its ROUTER drops batches from the
+    middle of a reply, and the end marker with them: the client asks again from the first
+    one missing, and keeps what it already has."""
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind("tcp://127.0.0.1:*")
+    endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+    asked: list[int] = []
+
+    async def serve() -> None:
+        while True:
+            ident, _, start_b = await router.recv_multipart()
+            start = int.from_bytes(start_b, "big")
+            asked.append(start)
+            lossy = len(asked) == 1
+            for seq in range(max(start, 5), 40):  # the buffer holds 5..39
+                if lossy and (12 <= seq < 20 or seq >= 30):
+                    continue  # dropped on the way, the end marker too
+                await router.send_multipart([ident, b"", b"t", seq_bytes(seq), b"%d" % seq])
+            if not lossy:
+                await router.send_multipart([ident, b"", b"", END_SEQ, b""])
+
+    server = asyncio.create_task(serve())
+    client = ReplayClient(ctx, endpoint, timeout_s=0.3)
+    try:
+        got = await client.fetch(0)
+        assert got == [(seq, b"%d" % seq) for seq in range(5, 40)]
+        assert asked == [0, 12]  # 0..4 are out of the buffer: not asked for again
+    finally:
+        server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server
+        client.close()
+        ctx.destroy(linger=0)
+
+
 async def test_without_replay_a_gap_resyncs_and_keeps_only_what_it_saw() -> None:
     pub = await started(drop={1}, replay=None)
     engine = Engine(pub)
