@@ -5,8 +5,9 @@ Completions and chat are routed by their prompt; every other path the workers se
 (`/v1/embeddings`, `/v1/responses`, `/tokenize`, `/v1/score`, `/v1/rerank`, ...) passes
 through, routed by the body's `model`, never answered 404 by the router.
 
-A request that reached no client byte yet is retried once on the next endpoint when its
-worker refused the connection, was given up on (ejected as dead or hung), or did not answer
+A request that reached no client byte yet is retried once on the next endpoint of another
+worker (a worker's data-parallel ranks share its API server) when its worker refused the
+connection, was given up on (ejected as dead or hung), or did not answer
 within the first-byte timeout; a worker that times out `eject_after_timeouts` times in a row
 is ejected until its health check passes. A non-streaming request that reaches the request
 timeout is answered 504, not retried, and held against its worker only where its engine
@@ -215,6 +216,8 @@ class ProxyDoor:
                     raise self._whole_timeout(choice.worker, sent_at) from None
                 failures.append(str(exc))
                 self._worker_failed(choice.worker, exc, sent_at)
+                # its data-parallel ranks share its API server, hung or unreachable too
+                tried.update(f.state.name for f in h.feeds)
             except asyncio.CancelledError:
                 outcome = r.cancelled_outcome()
                 raise

@@ -110,3 +110,35 @@ async def test_a_stream_queued_past_the_first_byte_timeout_counts_only_on_an_idl
             await client.post("/v1/completions", json=completion())
         assert h.available is not ejected
         assert (h.timeouts == 0) is generating
+
+
+async def test_a_retry_after_a_timeout_skips_the_ranks_behind_the_same_server() -> None:
+    """Data-parallel ranks share one API server: when it hangs, the retry must leave it."""
+    tried: list[str] = []
+
+    async def hangs(scope: Any, receive: Any, send: Any, body: bytes) -> None:
+        tried.append("ranked")
+        while (await receive())["type"] != "http.disconnect":
+            pass  # no head, ever
+
+    async def answers(scope: Any, receive: Any, send: Any, body: bytes) -> None:
+        tried.append("other")
+        await send({"type": "http.response.start", "status": 200, "headers": SSE})
+        await send({"type": "http.response.body", "body": b"data: {}\n\ndata: [DONE]\n\n"})
+
+    ranked, other = Engine(ranks=2), Engine()
+    ranked.handlers["/v1/completions"] = hangs
+    other.handlers["/v1/completions"] = answers
+    async with (
+        fleet(ranked, other, first_byte_timeout_s=0.3, eject_after_timeouts=100) as (app, url),
+        httpx.AsyncClient(base_url=url, timeout=10) as client,
+    ):
+        assert len(app.fleet.workers) == 3
+        first_hung = 0
+        for i in range(4):
+            tried.clear()
+            r = await client.post("/v1/completions", json=completion(f"request {i} " * 20))
+            assert r.status_code == 200 and tried[-1] == "other", tried
+            assert tried.count("ranked") <= 1
+            first_hung += tried[0] == "ranked"
+        assert first_hung  # the case under test came up
