@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -51,6 +50,20 @@ log = logging.getLogger("kvroute.routing")
 __all__ = ["Constraints", "DecisionService", "Ticket"]
 
 NO_CONSTRAINTS = Constraints()
+
+
+# The load estimate of a request's output: vLLM generates at most the context its prompt
+# leaves (a larger max_tokens is capped, not refused), and refuses an n past its
+# VLLM_MAX_N_SEQUENCES (default 16384) itself. Clients choose both numbers, of any size.
+MAX_N_ESTIMATE = 16384
+UNKNOWN_CONTEXT = 1 << 20  # the context assumed of a worker whose max_model_len is unknown
+
+
+def output_blocks(req: RouteRequest, block_size: int, max_model_len: int | None) -> int:
+    """KV blocks the request's output sequences may fill, as the engine will cap them."""
+    room = max((max_model_len or UNKNOWN_CONTEXT) - req.prompt_tokens, 0)
+    tokens = min(req.max_tokens, room) * min(req.n, MAX_N_ESTIMATE)
+    return -(-tokens // block_size)  # ceil, in integers
 
 
 @dataclass
@@ -338,7 +351,7 @@ class DecisionService:
     def start(self, decision: Decision, worker: str, profile: str | None = None) -> Ticket:
         """The door sends the request to `worker` (one of `decision.ranked`)."""
         state = self.fleet.workers[worker]
-        extra = math.ceil(decision.request.max_tokens * decision.request.n / state.block_size)
+        extra = output_blocks(decision.request, state.block_size, state.max_model_len)
         prof = self.profiles[profile or decision.profile]
         load = self.picker.commit(prof, decision, worker, extra_blocks=extra)
         self.metrics.child(self.metrics.inflight, worker).inc()
