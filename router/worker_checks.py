@@ -27,7 +27,7 @@ PROBE_TEXT = "kvroute tokenizer probe: The quick brown fox jumps over 13 lazy do
 PROBE_CHAT = [{"role": "user", "content": PROBE_TEXT}]
 
 
-def _restarted(before: EngineMetrics | None, now: EngineMetrics) -> bool:
+def restarted(before: EngineMetrics | None, now: EngineMetrics) -> bool:
     """A counter that only grows went down: a new engine process."""
     if before is None or before.prefix_queries is None or now.prefix_queries is None:
         return False
@@ -111,8 +111,12 @@ class WorkerChecks:
         if not h.discovered:
             await self.pool.discover_once(h)
         elif was_down:
-            # it may be a new engine process with other flags: ask it again
-            await self.pool.rediscover(h, "it came back after failing health checks")
+            # it may be a new engine process with other flags: ask it again. An ejection is
+            # often a blip (a connect failure, slow probes under load) with the engine and
+            # its cache intact, so what is known of the cache goes only where the answers
+            # show a restart (its counters back, its publishers changed); one they miss still
+            # shows when its KV event sequence begins again (the subscription stays)
+            await self.pool.ask_again(h)
         else:
             await self.refresh_models(h, timeout=self.pool.config.health_timeout_s)
         if not h.available:
@@ -156,7 +160,7 @@ class WorkerChecks:
         if m is None or self.pool.handles.get(h.name) is not h:
             return  # failed, or the worker was removed (or replaced) meanwhile
         load = self.pool.fleet.load
-        if _restarted(h.metrics, m):  # rediscovering forgets its batch limit too
+        if restarted(h.metrics, m):  # rediscovering forgets its batch limit too
             h.metrics = m
             await self.pool.rediscover(h, "its /metrics counters went back (engine restart)")
         before = h.metrics.generation_tokens if h.metrics is not None else None
@@ -288,6 +292,9 @@ class WorkerChecks:
         m = h.metrics
         if m is None:
             return
+        # asked again, the engine's answer replaces what an earlier one found
+        h.problems.pop("block_size", None)
+        h.problems.pop("prefix_caching", None)
         configured = h.config.block_size or self.pool.config.block_size
         margin = self.pool.config.index_cap_margin
         for state in h.states:

@@ -30,6 +30,7 @@ from indexer.subscriber import EventSubscriber
 from router.core.config import Config, WorkerConfig
 from router.core.fleet import APPROX, EVENTS, FleetState, WorkerState
 from router.tokenizers import TokenizerSet
+from router.worker_checks import restarted
 
 log = logging.getLogger("kvroute.workers")
 
@@ -67,6 +68,8 @@ class WorkerHandle:
     problems: dict[str, str] = field(default_factory=dict)  # config problems found by probes
     discovered: bool = False
     address: str = ""  # ip:port, resolved at discovery; every endpoint of the worker shares it
+    # its event publishers as last answered (None: not asked since its engine started)
+    sources: list[EventSource] | None = None
     # discovery, rediscovery and removal one at a time: the health and scrape loops can both
     # rediscover a restarted engine, and each subscribes anew after awaiting the worker
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
@@ -249,30 +252,22 @@ class WorkerPool:
     # ---- discovery -------------------------------------------------------------------
 
     async def discover(self, h: WorkerHandle) -> None:
-        """Ask the worker for its cache config, models and event publishers; subscribe."""
-        h.metrics = await self.checks.fetch_metrics(h)
+        """Ask the worker for its cache config, models and event publishers; subscribe.
+        Asked again (back from an ejection), what is known of its cache is kept unless the
+        answers show a new engine process: vLLM never announces again the blocks it holds."""
+        m = await self.checks.fetch_metrics(h)
         await self._resolve_address(h)
+        asked = await self._event_sources(h) if h.mode_setting != APPROX else None
+        why = self._new_engine(h, m, asked)
+        if why:
+            log.warning("worker %s: forgetting its cache because %s", h.name, why)
+            await self._forget(h)
+        if m is not None:  # unanswered, the last counters still tell a restart later
+            h.metrics = m
         answered = True  # it said which event publishers it has (or none were asked for)
         if h.mode_setting != APPROX:
-            h.problems.pop("events", None)
-            asked = await self._event_sources(h)
             answered = asked is not None
-            sources = asked or []
-            self._set_ranks(h, sources)
-            for feed, src in zip(h.feeds, sources, strict=False):
-                self._subscribe(h, feed, src)
-            if asked is None:
-                # down, or still loading its model: no verdict on its flags yet (it is
-                # discovered again at its next passing health check)
-                h.problems["events"] = (
-                    f"worker {h.name}: could not ask for its KV event publishers "
-                    f"({h.last_error}); asked again once it answers its health check"
-                )
-            elif not sources:
-                h.problems["events"] = (
-                    f"worker {h.name} has no KV event publisher: "
-                    + h.adapter.hints.events_missing.format(url=h.url)
-                )
+            self._follow_sources(h, asked)
         # after the ranks: each rank's endpoint serves the models (and LoRA adapters) too
         await self.checks.refresh_models(h)
         self.checks.apply_cache_config(h)
@@ -280,6 +275,40 @@ class WorkerPool:
         h.discovered = answered
         for f in h.feeds:
             self.checks.refresh_mode(h, f)
+
+    @staticmethod
+    def _new_engine(
+        h: WorkerHandle, m: EngineMetrics | None, asked: list[EventSource] | None
+    ) -> str:
+        """Why the worker's answers show a new engine process ("" when they do not)."""
+        if m is not None and restarted(h.metrics, m):
+            return "its /metrics counters went back (engine restart)"
+        if asked is not None and h.sources is not None and asked != h.sources:
+            return "its KV event publishers changed (engine restart)"
+        return ""
+
+    def _follow_sources(self, h: WorkerHandle, asked: list[EventSource] | None) -> None:
+        """One endpoint per publisher, each subscribed once; a subscription that still
+        feeds the index is kept (a new one would start its event sequence afresh)."""
+        h.problems.pop("events", None)
+        if asked is None:
+            # down, or still loading its model: no verdict on its flags, and no answer says
+            # nothing of its ranks either (it is asked again at its next passing health check)
+            h.problems["events"] = (
+                f"worker {h.name}: could not ask for its KV event publishers "
+                f"({h.last_error}); asked again once it answers its health check"
+            )
+            return
+        h.sources = asked
+        self._set_ranks(h, asked)
+        for feed, src in zip(h.feeds, asked, strict=False):
+            if feed.task is None or feed.source != src:
+                self._subscribe(h, feed, src)
+        if not asked:
+            h.problems["events"] = (
+                f"worker {h.name} has no KV event publisher: "
+                + h.adapter.hints.events_missing.format(url=h.url)
+            )
 
     async def _event_sources(self, h: WorkerHandle) -> list[EventSource] | None:
         """The worker's KV event publishers; None when it could not be asked (unreachable,
@@ -373,19 +402,32 @@ class WorkerPool:
 
     async def rediscover(self, h: WorkerHandle, why: str) -> None:
         """Forget what we knew of a worker (its index, subscriptions, findings) and discover
-        it again: an engine that restarted may have lost its cache or its flags."""
+        it again: its engine restarted, and may have lost its cache or changed its flags."""
         async with h.lock:
             if self.handles.get(h.name) is not h:
                 return  # removed (or replaced) while an earlier discovery held the lock
             log.warning("worker %s: rediscovering because %s", h.name, why)
-            await self._stop_feeds(h)
-            h.problems.clear()
-            for f in h.feeds:
-                f.ingest = f.subscriber = f.source = None
-                self.fleet.forget_cache(f.state.name)
-                self.fleet.load.forget_batch(f.state.name)  # its batch limit may differ too
-                f.state.health = self.health_tracker(f.state.name, h)
+            await self._forget(h)
             await self.discover(h)
+
+    async def ask_again(self, h: WorkerHandle) -> None:
+        """`discover` a worker back from an ejection, unless it was removed meanwhile: its
+        flags, models and publishers may have changed; its cache is forgotten only where
+        the answers show a new engine process."""
+        async with h.lock:
+            if self.handles.get(h.name) is h:
+                await self.discover(h)
+
+    async def _forget(self, h: WorkerHandle) -> None:
+        """Drop its subscriptions, findings and everything believed of its cache."""
+        await self._stop_feeds(h)
+        h.problems.clear()
+        h.sources = None
+        for f in h.feeds:
+            f.ingest = f.subscriber = f.source = None
+            self.fleet.forget_cache(f.state.name)
+            self.fleet.load.forget_batch(f.state.name)  # its batch limit may differ too
+            f.state.health = self.health_tracker(f.state.name, h)
 
     def eject(self, endpoint: str, why: str) -> None:
         """A request could not connect: stop routing there until a health check passes."""

@@ -1,0 +1,119 @@
+"""A worker taken out of rotation and back, over simulated engines on loopback: an ejection
+that was a blip keeps what the router knows of its cache (vLLM never announces again the
+blocks it holds), a new engine process is forgotten, and a drain outlives a change of its
+data-parallel ranks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+
+from engines.sim.config import SimConfig
+from engines.sim.worker import SimWorker
+from indexer.clock import MonotonicClock
+from router.core.config import Config, WorkerConfig
+from router.core.fleet import FleetState
+from router.tokenize import PACKAGED_TOKENIZER
+from router.tokenizers import TokenizerSet
+from router.workers import WorkerPool
+
+pytestmark = pytest.mark.timeout(60)
+
+SIM = SimConfig(block_size=16, kv_blocks=512, topic="kv-events")
+DOC = " ".join(f"paragraph {i} about caches and routers and blocks." for i in range(40))
+
+
+@asynccontextmanager
+async def pool_of(url: str) -> AsyncIterator[WorkerPool]:
+    """A worker pool over one worker; its probes run when a test calls them."""
+    cfg = Config(workers=(WorkerConfig(url),), tokenizer=str(PACKAGED_TOKENIZER), mode="events")
+    clock = MonotonicClock()
+    client = httpx.AsyncClient(timeout=5)
+    pool = WorkerPool(cfg, FleetState(clock), client, clock, TokenizerSet.from_config(cfg))
+    await pool.set_workers(cfg.workers)
+    try:
+        yield pool
+    finally:
+        await pool.stop()
+        await client.aclose()
+
+
+async def prompt(worker: SimWorker, text: str) -> None:
+    body = {"model": worker.config.model, "prompt": text, "max_tokens": 2}
+    async with httpx.AsyncClient(timeout=10) as client:
+        resp = await client.post(f"{worker.url}/v1/completions", json=body)
+        assert resp.status_code == 200, resp.text
+
+
+async def until(predicate: Callable[[], bool], what: str) -> None:
+    for _ in range(250):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"never: {what}")
+
+
+def eject_by_connect_failure(pool: WorkerPool, name: str) -> None:
+    pool.eject(name, "connect failed: ConnectTimeout")
+
+
+def eject_by_timeouts(pool: WorkerPool, name: str) -> None:
+    for _ in range(pool.config.eject_after_timeouts):
+        pool.note_timeout(name, "no response head in 30 s")
+
+
+@pytest.mark.parametrize(
+    "eject",
+    [eject_by_connect_failure, eject_by_timeouts],
+    ids=["one-connect-failure", "requests-timing-out"],
+)
+async def test_a_worker_back_from_a_blip_keeps_its_cache_and_subscription(
+    eject: Callable[[WorkerPool, str], None],
+) -> None:
+    worker = SimWorker(SIM)
+    await worker.start()
+    try:
+        async with pool_of(worker.url) as pool:
+            name = f"127.0.0.1:{worker.port}"
+            index = pool.fleet.index
+            await prompt(worker, DOC)
+            await until(lambda: index.entries_of(name) > 0, "the prompt's blocks indexed")
+            known, task = index.entries_of(name), pool.handles[name].feeds[0].task
+            eject(pool, name)
+            assert not pool.handles[name].available
+            await pool.checks.health()  # its engine answers: re-admitted
+            assert pool.handles[name].available
+            assert index.entries_of(name) == known  # the same engine holds the same blocks
+            assert pool.handles[name].feeds[0].task is task
+            await prompt(worker, "another document entirely. " * 30)
+            await until(lambda: index.entries_of(name) > known, "new blocks indexed")
+    finally:
+        await worker.stop()
+
+
+async def test_an_engine_restarted_while_ejected_is_forgotten_at_readmission() -> None:
+    worker = SimWorker(SIM)
+    await worker.start()
+    reborn: SimWorker | None = None
+    try:
+        async with pool_of(worker.url) as pool:
+            name = f"127.0.0.1:{worker.port}"
+            await prompt(worker, DOC)
+            await until(lambda: pool.fleet.index.entries_of(name) > 0, "blocks indexed")
+            await worker.stop()
+            await pool.checks.health()
+            await pool.checks.health()  # two failed checks: ejected
+            assert not pool.handles[name].available
+            reborn = SimWorker(SIM.replace(port=worker.port))
+            await reborn.start()
+            await pool.checks.health()
+            assert pool.handles[name].available
+            assert pool.fleet.index.entries_of(name) == 0  # the old engine's cache went with it
+    finally:
+        await worker.stop()
+        if reborn is not None:
+            await reborn.stop()
