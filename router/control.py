@@ -200,7 +200,8 @@ class Control:
     def health(self) -> tuple[int, dict[str, Any]]:
         reports = [r for h in self.pool.handles.values() for r in worker_reports(self.pool, h)]
         statuses = {r["status"] for r in reports}
-        if "unhealthy" in statuses or not any(r["available"] for r in reports):
+        drained = [r["name"] for r in reports if r["draining"]]
+        if "unhealthy" in statuses or not any(_takes_traffic(r) for r in reports):
             status = "unhealthy"
         elif statuses - {"ok"}:  # degraded or ejected workers: routing goes on without them
             status = "degraded"
@@ -215,12 +216,19 @@ class Control:
             counts: dict[str, int] = {}
             for r in reports:
                 counts[r["status"]] = counts.get(r["status"], 0) + 1
-            return code, {"status": status, "workers": counts, **self._process()}
+            summary = {"status": status, "workers": counts, "draining_workers": len(drained)}
+            return code, {**summary, **self._process()}
         doc: dict[str, Any] = {
             "status": status,
             "unhealthy_workers": [r["name"] for r in reports if r["status"] != "ok"],
+            "draining_workers": drained,
             "workers": reports,
         }
+        if any(r["available"] for r in reports) and not any(_takes_traffic(r) for r in reports):
+            doc["reason"] = (
+                "every available worker is drained: requests are refused 503; "
+                "POST /admin/workers/NAME/undrain returns one to rotation"
+            )
         if pd is not None:
             doc["pd"] = pd
         return code, {**doc, **self._process()}
@@ -291,6 +299,10 @@ class Control:
         if (qs.get("tokens") or ["0"])[0] in ("1", "true", "yes"):
             out["prompt_token_ids"] = list(decision.tokens)
         return out
+
+
+def _takes_traffic(report: dict[str, Any]) -> bool:
+    return bool(report["available"] and not report["draining"])
 
 
 def decision_doc(decision: Decision) -> dict[str, Any]:

@@ -519,12 +519,13 @@ class DecisionService:
 
     @property
     def ready(self) -> bool:
-        """Can route: started, not draining, some endpoint passes health checks, and a
-        replica has heard its peers (or waited LINK_WAIT_S for them)."""
+        """Can route: started, not draining, some endpoint passes health checks and is not
+        drained by an operator, and a replica has heard its peers (or waited LINK_WAIT_S
+        for them)."""
         return (
             self.started
             and not self.draining
-            and any(w.available for w in self.fleet.workers.values())
+            and any(w.available and not w.draining for w in self.fleet.workers.values())
             and self.peers_linked()
         )
 

@@ -47,6 +47,7 @@ def _report(pool: WorkerPool, h: WorkerHandle, f: Feed) -> dict[str, Any]:
         "url": h.config.url,
         "status": _status(h, report, problems),
         "available": state.available,
+        "draining": state.draining,  # an operator took it out of rotation: not a fault
         "mode_setting": h.mode_setting,
         "mode": state.mode,
         "event_health": _event_state(h, f, report),
