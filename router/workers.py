@@ -139,9 +139,9 @@ class WorkerPool:
         # called when a worker is taken out of rotation as dead or hung (the app fails the
         # requests in flight to it, so they can be retried elsewhere)
         self.on_down: list[Callable[[WorkerHandle, str], None]] = []
-        # told each worker removed from the list (its endpoints' names): what is kept per
-        # worker elsewhere goes with it, or pods that come and go under new addresses grow
-        # it without bound
+        # told each worker removed from the list (its endpoints' names), and the endpoints a
+        # worker's new rank layout dropped: what is kept per endpoint elsewhere goes with
+        # them, or pods that come and go under new addresses grow it without bound
         self.on_removed: list[Callable[[WorkerHandle, list[str]], None]] = []
         self._zmq: zmq.asyncio.Context | None = None  # made in start(), destroyed in stop()
         self._loops: list[asyncio.Task[None]] = []
@@ -192,9 +192,7 @@ class WorkerPool:
             names = [state.name for state in h.states]
             for name in names:
                 self.fleet.remove(name)
-            self.checks.forget(names)
-            for hook in self.on_removed:
-                hook(h, names)
+            self._removed(h, names)
         new = [w for name, w in wanted.items() if name not in self.handles]
         for w in new:
             self.handles[w.name] = self._handle(w)
@@ -205,6 +203,12 @@ class WorkerPool:
         async with h.lock:
             if self.handles.get(h.name) is h and not h.discovered:
                 await self.discover(h)
+
+    def _removed(self, h: WorkerHandle, names: list[str]) -> None:
+        """Endpoints gone from the fleet: what is kept of them elsewhere goes too."""
+        self.checks.forget(names)
+        for hook in self.on_removed:
+            hook(h, names)
 
     def _handle(self, w: WorkerConfig) -> WorkerHandle:
         h = WorkerHandle(
@@ -338,9 +342,19 @@ class WorkerPool:
         ranks = [s.rank for s in sources] if len(sources) > 1 else [None]
         if [f.state.rank for f in h.feeds] == ranks:
             return
+        available, gone = h.available, [f.state.name for f in h.feeds]
         for f in h.feeds:
+            if f.task is not None:  # never a subscription feeding an endpoint that is gone
+                f.task.cancel()
             self.fleet.remove(f.state.name)
         h.feeds = [self._feed(h, h.name if r is None else f"{h.name}#dp{r}", r) for r in ranks]
+        # its new endpoints are in rotation as the worker is: drained by an operator, or
+        # ejected, they are too
+        h.set_available(available)
+        h.set_draining(h.draining)
+        dropped = [name for name in gone if name not in self.fleet.workers]
+        if dropped:
+            self._removed(h, dropped)
         if len(ranks) > 1:
             log.warning(
                 "worker %s runs %d data-parallel ranks: routing to each", h.name, len(ranks)

@@ -6,6 +6,7 @@ data-parallel ranks."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -13,6 +14,7 @@ import httpx
 import pytest
 
 from engines.sim.config import SimConfig
+from engines.sim.dp import sim_worker
 from engines.sim.worker import SimWorker
 from indexer.clock import MonotonicClock
 from router.core.config import Config, WorkerConfig
@@ -55,6 +57,16 @@ async def until(predicate: Callable[[], bool], what: str) -> None:
             return
         await asyncio.sleep(0.02)
     raise AssertionError(f"never: {what}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def draining(pool: WorkerPool) -> dict[str, bool]:
+    return {name: state.draining for name, state in pool.fleet.workers.items()}
 
 
 def eject_by_connect_failure(pool: WorkerPool, name: str) -> None:
@@ -113,6 +125,57 @@ async def test_an_engine_restarted_while_ejected_is_forgotten_at_readmission() -
             await pool.checks.health()
             assert pool.handles[name].available
             assert pool.fleet.index.entries_of(name) == 0  # the old engine's cache went with it
+    finally:
+        await worker.stop()
+        if reborn is not None:
+            await reborn.stop()
+
+
+async def test_a_worker_drained_while_down_stays_drained_once_its_ranks_appear() -> None:
+    """Added while its engine still loads, it is one endpoint; drained, then found to run
+    two data-parallel ranks: both are drained too, and the endpoint they replace is gone
+    with what was kept of it (its metric series)."""
+    port = free_port()
+    name = f"127.0.0.1:{port}"
+    async with pool_of(f"http://{name}") as pool:
+        removed: list[list[str]] = []
+        pool.on_removed.append(lambda h, names: removed.append(names))
+        pool.handles[name].set_draining(True)  # POST /admin/workers/NAME/drain
+        assert draining(pool) == {name: True}
+        worker = sim_worker(SIM.replace(port=port, data_parallel_size=2))
+        await worker.start()
+        try:
+            await pool.checks.health()  # its engine answers: discovered at last
+        finally:
+            await worker.stop()
+        assert draining(pool) == {f"{name}#dp0": True, f"{name}#dp1": True}
+        assert removed == [[name]]
+
+
+async def test_a_drained_worker_restarted_without_its_ranks_stays_drained() -> None:
+    """A rolling update that drops --data-parallel-size: the one endpoint that replaces
+    the ranks is drained as the worker is, and ejected as it is until re-admitted."""
+    worker = sim_worker(SIM.replace(data_parallel_size=2))
+    await worker.start()
+    reborn: SimWorker | None = None
+    try:
+        name = f"127.0.0.1:{worker.port}"
+        async with pool_of(worker.url) as pool:
+            removed: list[list[str]] = []
+            pool.on_removed.append(lambda h, names: removed.append(names))
+            # while it is asked again it is still out of rotation, its new endpoint too
+            available: list[list[bool]] = []
+            pool.on_removed.append(lambda h, _: available.append([s.available for s in h.states]))
+            pool.handles[name].set_draining(True)
+            await worker.stop()
+            await pool.checks.health()
+            await pool.checks.health()  # ejected
+            reborn = SimWorker(SIM.replace(port=worker.port))
+            await reborn.start()
+            await pool.checks.health()  # back, with other publishers: a new engine
+            assert draining(pool) == {name: True}
+            assert pool.handles[name].available and pool.handles[name].draining
+            assert removed == [[f"{name}#dp0", f"{name}#dp1"]] and available == [[False]]
     finally:
         await worker.stop()
         if reborn is not None:
