@@ -1,6 +1,7 @@
 """Where the worker list comes from, merged and validated in one place before the pool sees
 it: the config's `workers` (replaced by `POST /admin/workers`), `workers_file` (a YAML list,
-re-read when it changes) and `workers_dns` (a headless Service's A records, re-resolved).
+re-read when it changes) and `workers_dns` (a headless Service's A records, or its AAAA
+records where it has no A record; re-resolved).
 Every entry from every source is typed and checked like the config itself; a bad file or
 admin body is refused with the field named and the current list kept."""
 
@@ -37,6 +38,7 @@ class WorkerSources:
         self.from_dns: tuple[WorkerConfig, ...] = ()
         self._tasks: list[asyncio.Task[None]] = []
         self._file_mtime = 0.0
+        self._dns_said = ""  # what the last resolve said of the address families answered
 
     def merged(self, listed: tuple[WorkerConfig, ...] | None = None) -> tuple[WorkerConfig, ...]:
         """Every source's workers, each worker once (the first source naming it wins);
@@ -187,7 +189,8 @@ class WorkerSources:
     # ---- DNS -------------------------------------------------------------------------
 
     async def _resolve(self) -> bool:
-        """One worker per A record of the headless Service; True when the set changed."""
+        """One worker per address of the headless Service, of one family (`one_family`);
+        True when the set changed."""
         assert self.config.workers_dns is not None
         host, _, port = self.config.workers_dns.rpartition(":")
         try:
@@ -197,7 +200,10 @@ class WorkerSources:
         except OSError as exc:
             log.error("workers_dns %s: %s (keeping the current workers)", host, exc)
             return False
-        ips = sorted({str(info[4][0]) for info in infos})
+        ips, said = one_family(infos)
+        if said and said != self._dns_said:
+            log.info("workers_dns %s %s", host, said)
+        self._dns_said = said
         urls = [f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}" for ip in ips]
         found = parse_workers(urls, "workers_dns")
         changed = found != self.from_dns
@@ -209,3 +215,23 @@ class WorkerSources:
             await asyncio.sleep(self.config.dns_interval_s)
             if await self._resolve():
                 await self._apply(f"workers_dns {self.config.workers_dns}")
+
+
+def one_family(infos: list[tuple[Any, ...]]) -> tuple[list[str], str]:
+    """The addresses of one family among getaddrinfo's answers, and what to say of the
+    choice ("" when there was none to make). A dual-stack headless Service answers each pod
+    twice, its A and its AAAA record: one worker per pod is one per IPv4 address, as vLLM's
+    default --host 0.0.0.0 listens on IPv4 only; IPv6 where no A record came."""
+    v4 = sorted({str(i[4][0]) for i in infos if i[0] == socket.AF_INET})
+    v6 = sorted({str(i[4][0]) for i in infos if i[0] == socket.AF_INET6})
+    if v4 and v6:
+        return v4, (
+            "answers IPv4 and IPv6 addresses (a dual-stack Service): one worker per IPv4 "
+            "address, as vLLM's default --host 0.0.0.0 listens on IPv4 only"
+        )
+    if v6:
+        return v6, (
+            "answers IPv6 addresses only: one worker per IPv6 address (vLLM must listen on "
+            "IPv6: --host ::)"
+        )
+    return v4, ""
