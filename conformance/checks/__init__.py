@@ -15,6 +15,7 @@ from conformance.checks import (
     metrics,
     pd,
     replay,
+    replay_buffer,
     routing_quality,
     tokenizer,
     tokenizer_chat,
@@ -33,6 +34,7 @@ RUN_ORDER = (
     "lora-slots",
     "index-fidelity",
     "replay",
+    "replay-buffer",
     "lora-resolver",
     "routing-quality",
     "fleet",
@@ -48,6 +50,6 @@ def registry() -> dict[str, Check]:
 
 __all__ = ["RUN_ORDER", "chaining", "faults", "fidelity", "fleet", "registry", "replay"]
 __all__ += ["lora_resolver", "lora_slots", "metrics", "tokenizer", "tokenizer_chat", "truncation"]
-__all__ += ["wire_format"]
+__all__ += ["replay_buffer", "wire_format"]
 __all__ += ["pd"]
 __all__ += ["routing_quality"]
