@@ -150,6 +150,57 @@ def test_an_id_stays_distrusted_while_any_request_that_shared_it_is_live() -> No
     assert got == [CLIENT_GONE] and not endings._slots and not timers.pending
 
 
+def _clocked() -> tuple[Endings, list[float], list[str | None]]:
+    now = [0.0]
+    endings = Endings(wait_s=2.0, later=FakeTimers().later, clock=lambda: now[0])
+    endings.opened()
+    return endings, now, []
+
+
+def test_the_late_entry_of_a_request_that_ended_in_band_is_not_the_next_ones_verdict() -> None:
+    """A client reuses its id for sequential calls: call 1 ends in band and its entry comes
+    after call 2 started; call 2's worker then breaks off its response."""
+    endings, _, got = _clocked()
+    endings.expect("trace")
+    endings.ended_in_band("trace")  # call 1
+    assert endings.expect("trace")  # call 2
+    endings.tell("trace", COMPLETED)  # call 1's entry, late: dropped
+    endings.when_known("trace", got.append)
+    assert got == []
+    endings.tell("trace", UPSTREAM_BROKE)  # call 2's own
+    assert got == [UPSTREAM_BROKE] and not endings._tombstones
+
+
+@pytest.mark.parametrize("case", ["told-first", "expired", "no-access-log"])
+def test_an_entry_is_dropped_only_while_one_is_still_due(case: str) -> None:
+    endings, now, got = _clocked()
+    if case == "no-access-log":
+        endings = Endings(wait_s=2.0, later=FakeTimers().later, clock=lambda: now[0])
+    endings.expect("r")
+    if case == "told-first":  # call 1's entry came before its end in band: none is due
+        endings.tell("r", COMPLETED)
+    endings.ended_in_band("r")
+    if case == "expired":
+        now[0] += 2.0
+    endings.expect("r")
+    endings.opened()
+    endings.tell("r", CLIENT_GONE)
+    endings.when_known("r", got.append)
+    assert got == [CLIENT_GONE] and not endings._slots
+
+
+def test_ids_that_ended_in_band_are_kept_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("router.extproc.endings.MAX_TOMBSTONES", 3)
+    endings, now, _ = _clocked()
+    for i in range(5):
+        endings.expect(f"r{i}")
+        endings.ended_in_band(f"r{i}")
+    assert list(endings._tombstones) == ["r2", "r3", "r4"]
+    now[0] += 2.0
+    endings.ended_in_band("r5")  # an id with no request live: still, its entry is due
+    assert list(endings._tombstones) == ["r5"]
+
+
 def test_forgotten_requests_keep_nothing_and_close_concludes_the_waiting() -> None:
     endings, _, got = _endings()
     endings.expect("done")

@@ -15,7 +15,7 @@ the request by its `x-request-id`, which the exchange read from the request head
     endings.expect(rid)                   # a ticket started for this request
     endings.tell(rid, ending_of(entry))   # the access log (any order with the close)
     endings.when_known(rid, conclude)     # the stream closed: conclude(ending or None)
-    endings.forget(rid)                   # the response ended in band: no verdict needed
+    endings.ended_in_band(rid)            # the response ended in band: no verdict needed
 
 `conclude` gets None when no access log is streaming here (Envoy not configured for it),
 when two requests share an id (a client-chosen one that Envoy kept), or after `wait_s`.
@@ -46,6 +46,10 @@ WAIT_S = 2.0
 # request when none ever does: a gateway that passes a client's own mark through and sends
 # no log would otherwise hold every such request's load WAIT_S longer.
 MARK_TRUST_S = 60.0
+# Ids of requests that ended in band, whose access-log entry is still to come: a client may
+# reuse an id (Envoy keeps a client's x-request-id by default), and the late entry of one
+# request must not become the verdict of the next. Kept WAIT_S, as many as this at most.
+MAX_TOMBSTONES = 16384
 
 Conclude = Callable[[str | None], None]
 
@@ -107,6 +111,8 @@ class Endings:
         self.streamed = False  # an access-log stream has opened here since start
         self._first_mark: float | None = None
         self._slots: dict[str, _Slot] = {}
+        # id -> (entries still to come, when they are given up), oldest first
+        self._tombstones: dict[str, tuple[int, float]] = {}
 
     def opened(self) -> None:
         self.streams += 1
@@ -145,7 +151,37 @@ class Endings:
         if slot.live <= 0 and slot.waiter is None:
             self._drop(rid, slot)
 
+    def ended_in_band(self, rid: str) -> None:
+        """The exchange saw its response end: no verdict is needed, and the access-log
+        entry still to come for it is dropped when it arrives."""
+        slot = self._slots.get(rid)
+        if rid and self.streamed and not (slot is not None and slot.told):
+            self._bury(rid)
+        self.forget(rid)
+
+    def _bury(self, rid: str) -> None:
+        now = self.clock()
+        graves = self._tombstones
+        count = graves.pop(rid, (0, 0.0))[0]
+        graves[rid] = (count + 1, now + self.wait_s)
+        while graves:
+            oldest = next(iter(graves))
+            if len(graves) <= MAX_TOMBSTONES and graves[oldest][1] > now:
+                break
+            del graves[oldest]
+
+    def _is_late(self, rid: str) -> bool:
+        """The entry is the one still to come of a request that ended in band."""
+        grave = self._tombstones.pop(rid, None)
+        if grave is None or grave[1] <= self.clock():
+            return False
+        if grave[0] > 1:
+            self._tombstones[rid] = (grave[0] - 1, grave[1])
+        return True
+
     def tell(self, rid: str, ending: str | None) -> None:
+        if self._is_late(rid):
+            return
         slot = self._slots.get(rid)
         if slot is None or slot.shared:
             return
@@ -173,6 +209,7 @@ class Endings:
         for rid in [r for r, s in self._slots.items() if s.waiter is not None]:
             self._conclude(rid, None)
         self._slots.clear()
+        self._tombstones.clear()
 
     def _conclude(self, rid: str, ending: str | None) -> None:
         slot = self._slots.get(rid)

@@ -271,7 +271,7 @@ class Exchange:
             return
         ticket, self.ticket = self.ticket, None
         if self.rid:
-            self.endings.forget(self.rid)
+            self.endings.ended_in_band(self.rid)
         self.svc.finish(ticket, status=self.status, cached_tokens=cached_tokens)
 
     def close(self) -> None:
