@@ -119,11 +119,14 @@ class ProxyDoor:
         assert me is not None
         gone = scope.get(CLIENT_GONE)
         watch: _Watch
+        writes: _ClientWrites | None = None
         if gone is None:  # not kvroute's own server (an in-process ASGI transport)
             watch = asyncio.ensure_future(_cancel_on_disconnect(receive, me))
         else:
-            watch = _Hangup(me)
-            gone.append(watch.fire)
+            watch = hangup = _Hangup(me)
+            gone.append(hangup.fire)
+            writes = _ClientWrites(send, self.config.inter_chunk_timeout_s, scope, hangup)
+            send = writes
         try:
             await self._route(scope, send, path, kind, body, t0, t0_ns)
         except asyncio.CancelledError:
@@ -132,6 +135,8 @@ class ProxyDoor:
             me.uncancel()  # the client went away: closing upstream already aborted the request
         finally:
             watch.cancel()
+            if writes is not None:
+                writes.close()
 
     async def _route(
         self,
@@ -404,6 +409,49 @@ class _Hangup:
     def cancel(self) -> bool:
         self.live = False
         return True
+
+
+class _ClientWrites:
+    """The client's `send`, each write bounded by `limit` seconds. A client that stops
+    reading without hanging up (its socket buffer full, the server's send waiting for it to
+    drain) would hold its request, its worker's load and connection, and the engine's
+    work forever; past the limit it is hung up on: its connection is cut, and its request
+    ends as a hang-up (the upstream closed, so the engine aborts). A client has as long to
+    take a chunk as a worker has to send one. One timer per `limit` seconds, not one per
+    chunk."""
+
+    __slots__ = ("_hangup", "_limit", "_loop", "_scope", "_send", "_since", "_timer")
+
+    def __init__(self, send: Send, limit: float, scope: Scope, hangup: _Hangup) -> None:
+        self._send = send
+        self._limit = limit
+        self._scope = scope
+        self._hangup = hangup
+        self._loop = asyncio.get_running_loop()
+        self._since: float | None = None  # when the write in progress began
+        self._timer = self._loop.call_later(limit, self._check)
+
+    async def __call__(self, message: Any) -> None:
+        self._since = self._loop.time()
+        try:
+            await self._send(message)
+        finally:
+            self._since = None
+
+    def _check(self) -> None:
+        since, now = self._since, self._loop.time()
+        if since is None or now - since < self._limit:
+            left = self._limit if since is None else self._limit - (now - since)
+            self._timer = self._loop.call_later(left, self._check)
+            return
+        log.warning("client stopped reading for %g s: hung up on", self._limit)
+        cut = self._scope.get(CUT_RESPONSE)
+        if cut is not None:
+            cut()
+        self._hangup.fire()
+
+    def close(self) -> None:
+        self._timer.cancel()
 
 
 async def _cancel_on_disconnect(receive: Receive, task: asyncio.Task[Any]) -> None:

@@ -29,6 +29,7 @@ import math
 import resource
 import signal
 import socket
+import struct
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -51,6 +52,9 @@ class RouterConfig(uvicorn.Config):
         grace = math.ceil(drain_timeout_s + CUT_GRACE_S)
         super().__init__(app, timeout_graceful_shutdown=grace, **kwargs)
         self.drain_timeout_s = drain_timeout_s
+
+
+_LINGER_NONE = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: a close resets the connection
 
 
 def protocol_with_header_timeout(timeout_s: float) -> type[asyncio.Protocol]:
@@ -98,11 +102,25 @@ def protocol_with_header_timeout(timeout_s: float) -> type[asyncio.Protocol]:
         def _cut_response(self) -> None:
             """Close the connection before the response's last chunk: a truncated transfer
             the client can tell from a complete one (uvicorn sends nothing more once its
-            cycle counts the client gone)."""
+            cycle counts the client gone). A client that stopped reading is reset."""
             if self.cycle is not None:
                 self.cycle.disconnected = True
-            if not self.transport.is_closing():
+            if self.flow.write_paused:
+                self._reset()
+            elif not self.transport.is_closing():
                 self.transport.close()
+
+        def _reset(self) -> None:
+            """Reset the connection of a client that stopped reading: a close would wait for
+            it to take the bytes still buffered (here, then the kernel's), holding the
+            connection for as long as it stalls (nginx's `reset_timedout_connection`)."""
+            sock = self.transport.get_extra_info("socket")
+            try:
+                if sock is not None:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_NONE)
+            except OSError:
+                pass  # closed meanwhile
+            self.transport.abort()
 
         def _arm(self) -> None:
             self._disarm()

@@ -7,6 +7,8 @@ a client that stops reading lets go of its request."""
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -23,6 +25,7 @@ from router.tokenize import PACKAGED_TOKENIZER
 pytestmark = pytest.mark.timeout(60)
 
 SSE = [(b"content-type", b"text/event-stream")]
+TCP_CLOSE = 7  # a socket's state in TCP_INFO once its peer reset it (Linux)
 
 
 class Engine(Worker):
@@ -142,3 +145,58 @@ async def test_a_retry_after_a_timeout_skips_the_ranks_behind_the_same_server() 
             assert tried.count("ranked") <= 1
             first_hung += tried[0] == "ranked"
         assert first_hung  # the case under test came up
+
+
+def outcomes(app: RouterApp) -> dict[str, float]:
+    """kvroute_requests_total by outcome."""
+    out: dict[str, float] = {}
+    for family in app.metrics.registry.collect():
+        for s in family.samples:
+            if s.name == "kvroute_requests_total":
+                out[s.labels["outcome"]] = out.get(s.labels["outcome"], 0) + s.value
+    return out
+
+
+async def test_a_client_that_stops_reading_is_hung_up_on() -> None:
+    """Its request, its load and the worker's connection are let go, and the engine is told."""
+    worker_saw_hangup = asyncio.Event()
+
+    async def floods(scope: Any, receive: Any, send: Any, body: bytes) -> None:
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            worker_saw_hangup.set()
+
+        watching = asyncio.create_task(watch())
+        await send({"type": "http.response.start", "status": 200, "headers": SSE})
+        chunk = b"data: " + b"x" * 65536 + b"\n\n"
+        while not worker_saw_hangup.is_set():  # a long answer, until the router lets go
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await watching
+
+    engine = Engine()
+    engine.handlers["/v1/completions"] = floods
+    async with fleet(engine, inter_chunk_timeout_s=0.5) as (app, url):
+        name = next(iter(app.fleet.workers))
+        host, port = url.rsplit("//", 1)[1].split(":")
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect((host, int(port)))
+        body = json.dumps(completion()).encode()
+        head = b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-length: %d\r\n\r\n"
+        client.sendall(head % len(body) + body)  # and never reads
+        try:
+            await asyncio.wait_for(worker_saw_hangup.wait(), 10)
+            for _ in range(100):
+                if app.fleet.load.known(name).requests == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert app.fleet.load.known(name).requests == 0
+            assert outcomes(app) == {"client_disconnected": 1}
+            for _ in range(100):  # and its connection is reset, not left open for it to drain
+                if client.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == TCP_CLOSE:
+                    break
+                await asyncio.sleep(0.05)
+            assert client.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == TCP_CLOSE
+        finally:
+            client.close()
