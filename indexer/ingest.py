@@ -389,16 +389,22 @@ class WorkerIngest:
         return res
 
     def _check_block_size(self, published: int) -> None:
-        if self.learned_block_size is None:
-            self.learned_block_size = published
-        elif published != self.learned_block_size:
-            self._burst.warn(
-                "bs", f"worker {self.worker}: events switched block_size to {published}"
-            )
-            self.learned_block_size = published
+        """The worker's block size is the largest its stores carry. vLLM also stores a
+        prompt's tail inside a cache block, as one smaller block (`cache_partial_block`:
+        hybrid models whose KV groups' block sizes differ, `--prefix-match-unit`, the CPU
+        offloading connector's partial tails); learned from those, every request to the
+        worker was hashed in the tail's size, and matched nothing, until its next full
+        store. Within one engine process the size does not change (a restart forgets it)."""
+        learned = self.learned_block_size
+        if learned is None or published > learned:
+            if learned is not None:
+                self._burst.warn(
+                    "bs", f"worker {self.worker}: events switched block_size to {published}"
+                )
+            self.learned_block_size = learned = published
         configured = self.configured_block_size
-        if configured is not None and configured != published:
-            err = BlockSizeMismatch(self.worker, configured, published)
+        if configured is not None and configured != learned:
+            err = BlockSizeMismatch(self.worker, configured, learned)
             self.health.set_error("block_size", str(err))
         else:
             self.health.set_error("block_size", None)

@@ -290,6 +290,42 @@ def test_block_size_mismatch_names_both_values(
     assert ingest.block_size == 4  # requests are hashed the way the worker publishes
 
 
+def test_a_tail_stored_inside_a_block_does_not_change_the_block_size(
+    setup: tuple[PrefixIndex, WorkerIngest, FakeClock],
+) -> None:
+    """vLLM stores a prompt's tail inside a cache block as one smaller block, chained from
+    the last full one (`BlockPool.cache_partial_block`, on hybrid models and with
+    `--prefix-match-unit`). Requests to the worker are still hashed in its full blocks, and
+    its configured size still agrees with its events."""
+    _, ingest, _ = setup
+    ingest.configured_block_size = BS
+    full = wire.BlockStored(
+        block_hashes=[1, 2],
+        parent_block_hash=None,
+        token_ids=list(range(2 * BS)),
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+    tail = wire.BlockStored(
+        block_hashes=[3],
+        parent_block_hash=2,
+        token_ids=list(range(2 * BS, 2 * BS + BS // 2)),
+        block_size=BS // 2,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
+    ingest.on_live(0, wire.encode_batch(0.0, [full, tail]))
+    ingest.on_live(1, wire.encode_batch(0.0, [tail]))  # a tail alone in a batch, too
+    assert ingest.block_size == BS
+    assert not ingest.health.report().errors
+    ingest.configured_block_size = 2 * BS  # a size the worker's events do not carry
+    ingest.on_live(2, block(9))
+    assert any("block_size=8" in e for e in ingest.health.report().errors)
+
+
 HOSTILE = hostile_payloads()
 
 
