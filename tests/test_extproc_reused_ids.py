@@ -59,7 +59,7 @@ def log_entry(details: str, **flags: bool) -> als_pb2.StreamAccessLogsMessage:
 @contextlib.asynccontextmanager
 async def picker() -> AsyncIterator[tuple[ExtProcServer, Any, grpc.aio.Channel]]:
     svc = extproc_standin.DecisionService(list(ENDPOINTS))
-    server = ExtProcServer(svc, "127.0.0.1", 0)
+    server = ExtProcServer(svc, "127.0.0.1", 0)  # type: ignore[arg-type]  # the stand-in
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as ch:

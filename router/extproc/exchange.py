@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 
-from router.core.errors import KvrouteError, NoWorkerAvailable, PayloadTooLarge
+from router.core.errors import ConfigError, KvrouteError, NoWorkerAvailable, PayloadTooLarge
 from router.envoy.bootstrap import ACCESS_LOG_MARK, FALLBACK_RETRIES
 from router.extproc import endings as ends
 from router.extproc import gie
@@ -44,6 +44,15 @@ log = logging.getLogger("kvroute.extproc")
 DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 NO_BODY = processing_mode_pb2.ProcessingMode.NONE
+# Bodies in pieces each answered before the next (STREAMED), or cut at the gateway's buffer
+# (BUFFERED_PARTIAL): the route is chosen before the body is whole, and chunks the picker
+# holds back wait for Envoy's message_timeout. A request with a body is refused, naming the
+# fix; one without is decided at its headers as in any mode.
+UNSUPPORTED_BODY_MODES = {
+    processing_mode_pb2.ProcessingMode.STREAMED: "STREAMED",
+    processing_mode_pb2.ProcessingMode.BUFFERED_PARTIAL: "BUFFERED_PARTIAL",
+}
+_told_modes: set[int] = set()  # unsupported modes logged already (once a process each)
 # Ordered fallbacks sent to the gateway: one per attempt it makes (`kvroute envoy-config`'s
 # route retries FALLBACK_RETRIES times). Envoy's override-host policy takes the next one per
 # retry and, once they run out, its fallback policy's pick over the whole cluster: a worker
@@ -136,6 +145,9 @@ class Exchange:
         self.kind = self.svc.route_path(path) if method == "POST" else None
         if req.request_headers.end_of_stream:  # no body: any healthy worker, by load
             return await self._decide(RoutingInput.bodyless(), "request_headers")
+        if cfg.request_body_mode in UNSUPPORTED_BODY_MODES:
+            self.decided = True  # answered: any chunk that still comes goes through
+            return [_error(_unsupported_mode(cfg.request_body_mode))]
         return [] if self.duplex_request else [gie.passthrough("request_headers")]
 
     async def _request_body(self, msg: Any) -> Responses:
@@ -305,6 +317,20 @@ class Exchange:
             self.svc.finish(ticket, status=self.status)
         else:
             self.svc.finish(ticket, status=0, outcome=ends.CLIENT_GONE)
+
+
+def _unsupported_mode(mode: int) -> ConfigError:
+    name = UNSUPPORTED_BODY_MODES[mode]
+    err = ConfigError(
+        f"the gateway sends request bodies to the endpoint picker {name}, which it cannot "
+        "route on: set the ext_proc filter's processing_mode.request_body_mode to BUFFERED "
+        "or FULL_DUPLEX_STREAMED (kvroute envoy-config writes BUFFERED)",
+        param="request_body_mode",
+    )
+    if mode not in _told_modes:
+        _told_modes.add(mode)
+        log.error("ext_proc: %s", err.message)
+    return err
 
 
 def _error(exc: KvrouteError) -> gie.ProcessingResponse:
