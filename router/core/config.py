@@ -174,7 +174,8 @@ class Config:
     # is one core's worth of requests
     processes: int = 1
     workers_file: str | None = None  # reloaded on change
-    workers_dns: str | None = None  # HOST:PORT of a headless Service: one worker per A record
+    # HOST:PORT of a headless Service: one worker per A record (AAAA where it answers none)
+    workers_dns: str | None = None
     dns_interval_s: float = 5.0
     # prefill->decode handoff (router/pd; on when some worker has role prefill)
     pd_threshold: str = "auto"  # auto | never | TOKENS (split at this many uncached tokens)
