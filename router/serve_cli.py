@@ -119,7 +119,8 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--workers-dns",
         metavar="HOST:PORT",
-        help="a headless Service: every A record is a worker, re-resolved every few seconds",
+        help="a headless Service: every A record is a worker (AAAA where it answers none), "
+        "re-resolved every few seconds",
     )
     p.add_argument(
         "--tokenizer",
