@@ -1,7 +1,7 @@
 """Forwarding one request to one worker: pooled keep-alive connections, headers cleaned both
 ways (hop-by-hop and `Connection`-listed headers dropped, `X-Forwarded-*` added), responses
-streamed through as they arrive (SSE first byte latency preserved), the engine's reported
-cached tokens sniffed on the way.
+streamed through as they arrive (SSE first byte latency preserved; the proxy holds an event
+stream's head until its first chunk), the engine's reported cached tokens sniffed on the way.
 
 A worker that fails before anything reached the client raises a retryable error
 (`ConnectFailed`, `WorkerTimedOut`); one that fails mid-stream ends the client's stream with
@@ -168,7 +168,11 @@ class Forwarder:
         tls: bool = False,
         method: bytes = b"POST",
         timeouts: Timeouts | None = None,
+        hold_head: bool = False,
     ) -> Outcome:
+        """Relay the worker's answer. `hold_head`: an event stream's head waits for its
+        first chunk (`_first_chunk`), so that a worker hanging before it can still be left
+        for another (`WorkerTimedOut`)."""
         timeouts = timeouts or self.pool.timeouts
         try:
             response = await self.pool.request(
@@ -187,7 +191,7 @@ class Forwarder:
         try:
             origin = b"%s:%d" % (host.encode(), port)
             outcome = await self._relay(
-                worker, response, send, request_id, on_first_byte, origin, timeouts
+                worker, response, send, request_id, on_first_byte, origin, timeouts, hold_head
             )
         except BaseException:
             response.close()
@@ -203,6 +207,7 @@ class Forwarder:
         on_first_byte: Callable[[], None],
         origin: bytes,  # the worker's host:port, as its Location headers name it
         timeouts: Timeouts,
+        hold_head: bool,
     ) -> Outcome:
         listed = connection_listed(response.headers)
         headers = [
@@ -219,6 +224,8 @@ class Forwarder:
             return await self._relay_buffered(
                 worker, response, send, headers, outcome, on_first_byte
             )
+        if hold_head and ctype.startswith(b"text/event-stream"):
+            await _first_chunk(worker, response)
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         sniffer = UsageSniffer()
         first = True
@@ -279,6 +286,20 @@ class Forwarder:
         await send({"type": "http.response.start", "status": response.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
         return outcome
+
+
+async def _first_chunk(worker: str, response: Response) -> None:
+    """Wait for an event stream's first chunk before relaying its head. vLLM sends a
+    stream's head at once, before its engine produced anything: relayed then, a worker
+    hanging behind it (an engine stuck behind a live API server) would leave the client a
+    started stream to cut, where nothing has reached it yet and another worker can still
+    serve it. The client's first token comes no later."""
+    try:
+        await response.started()
+    except TimeoutError:
+        raise WorkerTimedOut(worker, "no first chunk in time") from None
+    except UpstreamClosed as exc:
+        raise ConnectFailed(worker, f"closed before the first chunk: {exc}") from None
 
 
 def _sse_error(cause: str, tail: bytes) -> bytes:

@@ -217,6 +217,19 @@ class Response:
             finally:
                 conn.waiter = None
 
+    async def started(self) -> None:
+        """Wait, within the first-chunk timeout, for the body's first chunk (or its end),
+        leaving it for `chunks`."""
+        conn = self._conn
+        if not conn.chunks and not conn.complete and conn.error is None:
+            conn.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await within(conn.waiter, self._timeouts.first_chunk)
+            finally:
+                conn.waiter = None
+        if conn.error is not None and not conn.chunks:
+            raise conn.error
+
     async def read(self) -> bytes:
         conn = self._conn
         if conn.complete:  # a small answer is usually whole by the time its head is read

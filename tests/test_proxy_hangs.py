@@ -200,3 +200,37 @@ async def test_a_client_that_stops_reading_is_hung_up_on() -> None:
             assert client.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == TCP_CLOSE
         finally:
             client.close()
+
+
+async def test_a_stream_whose_worker_hangs_after_its_head_goes_to_another_worker() -> None:
+    """vLLM sends a stream's head before its engine produced anything; nothing reached the
+    client when the engine hangs behind it, so the request is retried, not cut."""
+    tried: list[str] = []
+
+    async def head_then_hangs(scope: Any, receive: Any, send: Any, body: bytes) -> None:
+        tried.append("hung")
+        await send({"type": "http.response.start", "status": 200, "headers": SSE})
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    async def answers(scope: Any, receive: Any, send: Any, body: bytes) -> None:
+        tried.append("other")
+        await send({"type": "http.response.start", "status": 200, "headers": SSE})
+        await send({"type": "http.response.body", "body": b'data: {"i": 0}\n\n', "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    hung, other = Engine(), Engine()
+    hung.handlers["/v1/completions"] = head_then_hangs
+    other.handlers["/v1/completions"] = answers
+    async with (
+        fleet(hung, other, first_byte_timeout_s=0.3, eject_after_timeouts=100) as (_, url),
+        httpx.AsyncClient(base_url=url, timeout=10) as client,
+    ):
+        first_hung = 0
+        for i in range(4):
+            tried.clear()
+            r = await client.post("/v1/completions", json=completion(f"request {i} " * 20))
+            assert r.status_code == 200, r.text
+            assert r.text == 'data: {"i": 0}\n\ndata: [DONE]\n\n', tried
+            first_hung += tried[0] == "hung"
+        assert first_hung  # the case under test came up
