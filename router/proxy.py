@@ -7,10 +7,11 @@ through, routed by the body's `model`, never answered 404 by the router.
 
 A request that reached no client byte yet is retried once on the next endpoint of another
 worker (a worker's data-parallel ranks share its API server) when its worker refused the
-connection, was given up on (ejected as dead or hung), or did not answer
-within the first-byte timeout (an event stream's head is held until its first chunk, as
-vLLM sends it before its engine produced anything); a worker that times out `eject_after_timeouts` times in a row
-is ejected until its health check passes. A non-streaming request that reaches the request
+connection, was given up on (ejected as dead or hung), or did not answer within the
+first-byte timeout (an event stream's head is held until its first chunk: vLLM sends it
+before its engine produced anything); a worker that times out `eject_after_timeouts` times
+in a row, its engine generating nothing meanwhile, is ejected until its health check
+passes. A non-streaming request that reaches the request
 timeout is answered 504, not retried, and held against its worker only where its engine
 generated nothing meanwhile (`_whole_timeout`)."""
 
