@@ -35,7 +35,7 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from router.asgi import CLIENT_GONE, CUT_RESPONSE, DRAIN_EXPIRED
 
@@ -64,6 +64,9 @@ def protocol_with_header_timeout(timeout_s: float) -> type[asyncio.Protocol]:
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            # requests whose answers are not complete: a pipelined request's cycle takes
+            # the running one's place as `self.cycle`, yet a hang-up must reach that one
+            self._open: list[RequestResponseCycle] = []
             self._arm()
 
         def on_message_begin(self) -> None:
@@ -75,6 +78,9 @@ def protocol_with_header_timeout(timeout_s: float) -> type[asyncio.Protocol]:
             self.scope[CLIENT_GONE] = []  # type: ignore[literal-required]  # the cycle's scope
             self.scope[CUT_RESPONSE] = self._cut_response  # type: ignore[literal-required]
             super().on_headers_complete()
+            self._open = [c for c in self._open if not c.response_complete]
+            if self.cycle is not None and self.cycle not in self._open:
+                self._open.append(self.cycle)
             if self._last_request and self.cycle is not None:
                 self.cycle.keep_alive = False
 
@@ -91,11 +97,16 @@ def protocol_with_header_timeout(timeout_s: float) -> type[asyncio.Protocol]:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
-            cycle = self.cycle
-            gone: list[Callable[[], None]] = []
-            if cycle is not None and not cycle.response_complete:
-                gone = cycle.scope.get(CLIENT_GONE, gone)  # type: ignore[assignment]
+            cycles = [c for c in self._open if not c.response_complete]
+            self._open = []
+            gone: list[Callable[[], None]] = [
+                tell
+                for c in cycles
+                for tell in c.scope.get(CLIENT_GONE, ())  # type: ignore[attr-defined]
+            ]
             super().connection_lost(exc)
+            for c in cycles:
+                c.disconnected = True  # uvicorn marks only `self.cycle`: the others stop too
             for tell in gone:
                 tell()  # the door cancels the request: the worker's request is aborted
 
@@ -103,8 +114,8 @@ def protocol_with_header_timeout(timeout_s: float) -> type[asyncio.Protocol]:
             """Close the connection before the response's last chunk: a truncated transfer
             the client can tell from a complete one (uvicorn sends nothing more once its
             cycle counts the client gone). A client that stopped reading is reset."""
-            if self.cycle is not None:
-                self.cycle.disconnected = True
+            for c in self._open:
+                c.disconnected = True
             if self.flow.write_paused:
                 self._reset()
             elif not self.transport.is_closing():

@@ -234,3 +234,46 @@ async def test_a_stream_whose_worker_hangs_after_its_head_goes_to_another_worker
             assert r.text == 'data: {"i": 0}\n\ndata: [DONE]\n\n', tried
             first_hung += tried[0] == "hung"
         assert first_hung  # the case under test came up
+
+
+async def test_a_client_that_pipelined_a_request_and_hung_up_is_let_go() -> None:
+    """The pipelined request's cycle takes the running one's place in the server: the
+    hang-up must still reach the stream running."""
+    worker_saw_hangup = asyncio.Event()
+
+    async def streams(scope: Any, receive: Any, send: Any, body: bytes) -> None:
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            worker_saw_hangup.set()
+
+        watching = asyncio.create_task(watch())
+        await send({"type": "http.response.start", "status": 200, "headers": SSE})
+        for _ in range(100):  # a 10 s answer
+            if worker_saw_hangup.is_set():
+                break
+            await send({"type": "http.response.body", "body": b"data: {}\n\n", "more_body": True})
+            await asyncio.sleep(0.1)
+        watching.cancel()
+
+    engine = Engine()
+    engine.handlers["/v1/completions"] = streams
+    async with fleet(engine) as (app, url):
+        name = next(iter(app.fleet.workers))
+        host, port = url.rsplit("//", 1)[1].split(":")
+        body = json.dumps(completion()).encode()
+        head = b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-length: %d\r\n\r\n"
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(head % len(body) + body)
+        await reader.readuntil(b"data: {}\n\n")
+        writer.write(head % len(body) + body)  # the next request, before the answer ended
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.close()
+        await asyncio.wait_for(worker_saw_hangup.wait(), 3)
+        for _ in range(60):
+            if app.fleet.load.known(name).requests == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert app.fleet.load.known(name).requests == 0
+        assert outcomes(app) == {"client_disconnected": 1}
