@@ -2,8 +2,8 @@
 (the 32-byte engine first, then stopped; everything on `main`; the restart last but one;
 routing quality on the two workers before the fleet check restarts one without events;
 the two-worker fleet, then the prefill->decode pair, which starts its own engines).
-`tokenizer-chat` (real vLLM only, its own engine) is not in RUN_ORDER, the simulator's list:
-it runs last."""
+`tokenizer-chat` (real vLLM only, its own engine) and `replay-buffer` (real vLLM only, vLLM's
+publisher without an engine) are not in RUN_ORDER, the simulator's list: they run last."""
 
 from conformance import faults
 from conformance.checks import (
@@ -34,7 +34,6 @@ RUN_ORDER = (
     "lora-slots",
     "index-fidelity",
     "replay",
-    "replay-buffer",
     "lora-resolver",
     "routing-quality",
     "fleet",
