@@ -82,6 +82,12 @@ class WorkerTimedOut(ConnectFailed):
     """The worker did not answer in time and nothing reached the client yet."""
 
 
+class WorkerBrokeOff(ConnectFailed):
+    """The worker took the request, sent an event stream's head and closed before its first
+    chunk, while nothing had reached the client: this request failed there (a proxy's idle
+    timeout in between, a generator that raised), not the worker's every connection."""
+
+
 @dataclass
 class Outcome:
     status: int
@@ -299,7 +305,7 @@ async def _first_chunk(worker: str, response: Response) -> None:
     except TimeoutError:
         raise WorkerTimedOut(worker, "no first chunk in time") from None
     except UpstreamClosed as exc:
-        raise ConnectFailed(worker, f"closed before the first chunk: {exc}") from None
+        raise WorkerBrokeOff(worker, f"closed before the first chunk: {exc}") from None
 
 
 def _sse_error(cause: str, tail: bytes) -> bytes:

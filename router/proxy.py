@@ -52,6 +52,7 @@ from router.forward import (
     ConnectFailed,
     Forwarder,
     Outcome,
+    WorkerBrokeOff,
     WorkerTimedOut,
     upstream_headers,
     with_rank,
@@ -219,13 +220,18 @@ class ProxyDoor:
                 return
             except ConnectFailed as exc:
                 timed_out = isinstance(exc, WorkerTimedOut)
-                outcome = "timeout" if timed_out else "connect_failed"
+                broke_off = isinstance(exc, WorkerBrokeOff)
+                outcome = (
+                    "timeout" if timed_out else "worker_failed" if broke_off else "connect_failed"
+                )
                 if timed_out and not r.rin.stream:
                     raise self._whole_timeout(choice.worker, sent_at) from None
                 failures.append(str(exc))
                 self._worker_failed(choice.worker, exc, sent_at)
-                # its data-parallel ranks share its API server, hung or unreachable too
-                tried.update(f.state.name for f in h.feeds)
+                tried.add(choice.worker)
+                if not broke_off:
+                    # its data-parallel ranks share its API server, hung or unreachable too
+                    tried.update(f.state.name for f in h.feeds)
             except asyncio.CancelledError:
                 outcome = r.cancelled_outcome()
                 raise
@@ -311,7 +317,7 @@ class ProxyDoor:
         self.metrics.child(self.metrics.retries, worker).inc()
         if isinstance(exc, WorkerTimedOut):
             self._timed_out(worker, sent_at, exc.detail)
-        else:
+        elif not isinstance(exc, WorkerBrokeOff):  # one request's failure: the others stay
             self.pool.eject(worker, f"connect failed: {exc.detail}")
 
 

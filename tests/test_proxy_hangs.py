@@ -236,6 +236,46 @@ async def test_a_stream_whose_worker_hangs_after_its_head_goes_to_another_worker
         assert first_hung  # the case under test came up
 
 
+async def test_a_stream_closed_before_its_first_chunk_is_retried_and_spares_the_others() -> None:
+    """A stream closed after its head and before its first chunk (a generator that raised,
+    a proxy's idle timeout in between) failed there alone: it is served elsewhere, and the
+    worker keeps its other streams and its place in rotation."""
+
+    async def streams(scope: Any, receive: Any, send: Any, body: bytes) -> None:
+        prompt = json.loads(body)["prompt"]
+        await send({"type": "http.response.start", "status": 200, "headers": SSE})
+        if prompt.startswith("breaks"):
+            raise RuntimeError("the request failed after its head")
+        for i in range(6):
+            chunk = b'data: {"i": %d}\n\n' % i
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await asyncio.sleep(0.1)
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    engines = Engine(), Engine()
+    for e in engines:
+        e.handlers["/v1/completions"] = streams
+    async with (
+        fleet(*engines) as (app, url),
+        httpx.AsyncClient(base_url=url, timeout=10) as client,
+    ):
+
+        async def long(prompt: str) -> str:
+            async with client.stream("POST", "/v1/completions", json=completion(prompt)) as r:
+                return (await r.aread()).decode()
+
+        running = [asyncio.create_task(long(f"long {i} " * 20)) for i in range(4)]
+        await asyncio.sleep(0.15)  # every worker runs one of them
+        for i in range(4):
+            r = await client.post("/v1/completions", json=completion(f"breaks {i} " * 20))
+            assert r.status_code == 502, r.text  # every worker breaks it: nothing was sent
+        for body in await asyncio.gather(*running):
+            assert body.endswith("data: [DONE]\n\n") and "error" not in body, body
+        assert all(h.available for h in app.pool.handles.values())
+        retried = app.metrics.retries.collect()[0].samples
+        assert sum(s.value for s in retried if s.name.endswith("_total")) >= 4
+
+
 async def test_a_client_that_pipelined_a_request_and_hung_up_is_let_go() -> None:
     """The pipelined request's cycle takes the running one's place in the server: the
     hang-up must still reach the stream running."""
