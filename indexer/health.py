@@ -89,6 +89,13 @@ class HealthTracker:
         if self._pending_requests == 0:
             self._pending_since = None
 
+    def forget_pending(self) -> None:
+        """The requests it awaited blocks for were failed over or cut (the worker was taken
+        out of rotation): what they stored, if anything, has been published or never will
+        be; waiting on them would call a worker back in rotation silent."""
+        self._pending_since = None
+        self._pending_requests = 0
+
     def note_stored(self) -> None:
         self._ever_stored = True
         self._last_stored = self._clock.now()

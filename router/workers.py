@@ -266,6 +266,9 @@ class WorkerPool:
         if why:
             log.warning("worker %s: forgetting its cache because %s", h.name, why)
             await self._forget(h)
+        for f in h.feeds:  # back in rotation: its requests from before were failed over
+            if f.state.health is not None:
+                f.state.health.forget_pending()
         if m is not None:  # unanswered, the last counters still tell a restart later
             h.metrics = m
         answered = True  # it said which event publishers it has (or none were asked for)

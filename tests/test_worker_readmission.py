@@ -107,6 +107,30 @@ async def test_a_worker_back_from_a_blip_keeps_its_cache_and_subscription(
         await worker.stop()
 
 
+async def test_a_worker_back_in_rotation_does_not_wait_on_requests_it_was_taken_from() -> None:
+    """A request sent with a new prefix, then failed over when its worker was ejected,
+    stores nothing there: the worker back in rotation is not called silent for it."""
+    worker = SimWorker(SIM)
+    await worker.start()
+    try:
+        async with pool_of(worker.url) as pool:
+            name = f"127.0.0.1:{worker.port}"
+            await prompt(worker, DOC)
+            await until(lambda: pool.fleet.index.entries_of(name) > 0, "blocks indexed")
+            health = pool.fleet.workers[name].health
+            assert health is not None
+            health.grace_s = 0.0  # any block awaited is overdue at once
+            health.note_request(True)  # sent with a new prefix (the picker's commit)...
+            assert health.report().state.value != "OK"
+            eject_by_connect_failure(pool, name)  # ...and failed over at the ejection
+            await pool.checks.health()  # its engine answers: re-admitted
+            assert pool.handles[name].available
+            assert pool.fleet.workers[name].health is health  # what it knew is kept...
+            assert health.report().state.value == "OK", health.report()  # ...not the wait
+    finally:
+        await worker.stop()
+
+
 async def test_an_engine_restarted_while_ejected_is_forgotten_at_readmission() -> None:
     worker = SimWorker(SIM)
     await worker.start()
