@@ -1,8 +1,10 @@
-"""A gateway that sends request bodies STREAMED or BUFFERED_PARTIAL waits for an answer to
-each chunk, and chooses the route before the body is whole: the picker refuses such a
-request at its headers with an error naming the fix, logged once, instead of leaving its
-chunks to Envoy's message_timeout. The picker on real gRPC, Envoy's messages written by
-hand, the stand-in decision service."""
+"""A gateway that sends request bodies STREAMED waits for an answer to each chunk, and
+chooses the route before the body is whole: the picker refuses such a request at its
+headers with an error naming the fix, logged once, instead of leaving its chunks to Envoy's
+message_timeout. BUFFERED_PARTIAL sends a body within the gateway's buffer whole, as
+BUFFERED does: it is decided on; one cut at the buffer is refused, naming the limit. The
+picker on real gRPC, Envoy's messages written by hand, the stand-in decision service (real
+Envoy in BUFFERED_PARTIAL: tests/test_extproc_envoy.py)."""
 
 from __future__ import annotations
 
@@ -60,16 +62,13 @@ async def first_answer(ch: grpc.aio.Channel, req: pb.ProcessingRequest) -> Any:
     return answer
 
 
-@pytest.mark.parametrize(
-    "mode", [MODE.STREAMED, MODE.BUFFERED_PARTIAL], ids=["STREAMED", "BUFFERED_PARTIAL"]
-)
-async def test_a_body_in_an_unsupported_mode_is_refused_naming_the_fix(
-    channel: grpc.aio.Channel, mode: int, caplog: pytest.LogCaptureFixture
+async def test_a_streamed_body_is_refused_naming_the_fix(
+    channel: grpc.aio.Channel, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.ERROR, "kvroute.extproc")
     for _ in range(3):
         answer = await first_answer(
-            channel, request_headers(mode, "POST", "/v1/completions", end=False)
+            channel, request_headers(MODE.STREAMED, "POST", "/v1/completions", end=False)
         )
         assert answer.HasField("immediate_response"), answer
         refused = answer.immediate_response
@@ -85,3 +84,51 @@ async def test_a_request_without_a_body_is_decided_in_any_mode(channel: grpc.aio
     assert answer.HasField("request_headers"), answer
     mutation = answer.request_headers.response.header_mutation
     assert mutation.set_headers[0].header.raw_value.decode().split(",")[0] in ENDPOINTS
+
+
+def body(data: bytes, end: bool) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=data, end_of_stream=end))
+
+
+async def answers(ch: grpc.aio.Channel, *reqs: pb.ProcessingRequest) -> list[Any]:
+    call = pb_grpc.ExternalProcessorStub(ch).Process()
+    out = []
+    for req in reqs:
+        await call.write(req)
+        out.append(await call.read())
+    call.cancel()
+    return out
+
+
+async def test_a_partial_mode_body_within_the_buffer_is_decided_on(
+    channel: grpc.aio.Channel,
+) -> None:
+    doc = json.dumps({"model": "kvroute-sim", "prompt": "hello " * 50}).encode()
+    head, decided = await answers(
+        channel,
+        request_headers(MODE.BUFFERED_PARTIAL, "POST", "/v1/completions", end=False),
+        body(doc, end=True),
+    )
+    assert head.HasField("request_headers"), head  # the route waits for the body
+    assert decided.HasField("request_body"), decided
+    mutation = decided.request_body.response.header_mutation
+    picked = {m.header.key: m.header.raw_value.decode() for m in mutation.set_headers}
+    assert picked["x-gateway-destination-endpoint"].split(",")[0] in ENDPOINTS
+
+
+async def test_a_partial_mode_body_cut_at_the_buffer_is_refused_naming_the_limit(
+    channel: grpc.aio.Channel, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, "kvroute.extproc")
+    for _ in range(2):
+        _, refused = await answers(
+            channel,
+            request_headers(MODE.BUFFERED_PARTIAL, "POST", "/v1/completions", end=False),
+            body(b'{"model": "m", "prompt": "cut here', end=False),
+        )
+        assert refused.HasField("immediate_response"), refused
+        error = json.loads(refused.immediate_response.body)["error"]
+        assert error["param"] == "request_body_mode"
+        assert "per_connection_buffer_limit_bytes" in error["message"], error
+    said = [r.getMessage() for r in caplog.records if "BUFFERED_PARTIAL" in r.getMessage()]
+    assert len(said) == 1, said

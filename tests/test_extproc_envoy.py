@@ -233,6 +233,28 @@ async def test_body_over_the_limit_is_413(mode: str) -> None:
         assert not gw.svc.tickets and SERVED not in resp.headers
 
 
+def _partial_bodies(doc: dict[str, Any]) -> None:
+    """The gateway sends request bodies BUFFERED_PARTIAL (a third-party gateway's choice)."""
+    resources = doc["static_resources"]
+    hcm = resources["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    (ext_proc,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
+    ext_proc["typed_config"]["processing_mode"]["request_body_mode"] = "BUFFERED_PARTIAL"
+
+
+async def test_partial_mode_bodies_within_the_buffer_route_as_picked() -> None:
+    """A body within the gateway's buffer comes whole, and the route waits for the pick; one
+    past it is refused, here by Envoy's own limit (a gateway that hands the picker a cut
+    body gets an error naming the limit: tests/test_extproc_body_modes.py)."""
+    async with gateway(tweak=_partial_bodies, max_body_bytes=256 * 1024) as gw:
+        picks = [
+            await assert_served_as_picked(gw, await gw.complete(f"p{i} " * 40)) for i in range(8)
+        ]
+        assert set(picks) == set(gw.addresses)
+        resp = await gw.complete("x " * 200_000)
+        assert resp.status_code == 413, resp.text[:300]
+        assert SERVED not in resp.headers
+
+
 async def test_fail_open_keeps_serving_when_the_picker_dies() -> None:
     async with gateway(failure_mode="open") as gw:
         for i in range(4):

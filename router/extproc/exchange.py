@@ -44,14 +44,13 @@ log = logging.getLogger("kvroute.extproc")
 DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
 NO_BODY = processing_mode_pb2.ProcessingMode.NONE
-# Bodies in pieces each answered before the next (STREAMED), or cut at the gateway's buffer
-# (BUFFERED_PARTIAL): the route is chosen before the body is whole, and chunks the picker
-# holds back wait for Envoy's message_timeout. A request with a body is refused, naming the
-# fix; one without is decided at its headers as in any mode.
-UNSUPPORTED_BODY_MODES = {
-    processing_mode_pb2.ProcessingMode.STREAMED: "STREAMED",
-    processing_mode_pb2.ProcessingMode.BUFFERED_PARTIAL: "BUFFERED_PARTIAL",
-}
+# Bodies in pieces each answered before the next (STREAMED): the route is chosen before the
+# body is whole, and chunks the picker holds back wait for Envoy's message_timeout. A request
+# with a body is refused, naming the fix; one without is decided at its headers as in any
+# mode. BUFFERED_PARTIAL sends a body within the gateway's buffer whole, as BUFFERED does;
+# only one cut at that buffer is refused, naming the limit.
+UNSUPPORTED_BODY_MODES = {processing_mode_pb2.ProcessingMode.STREAMED: "STREAMED"}
+PARTIAL = processing_mode_pb2.ProcessingMode.BUFFERED_PARTIAL
 _told_modes: set[int] = set()  # unsupported modes logged already (once a process each)
 # Ordered fallbacks sent to the gateway: one per attempt it makes (`kvroute envoy-config`'s
 # route retries FALLBACK_RETRIES times). Envoy's override-host policy takes the next one per
@@ -131,6 +130,7 @@ class Exchange:
         cfg = req.protocol_config
         self.duplex_request = cfg.request_body_mode == DUPLEX
         self.buffered_request = cfg.request_body_mode == BUFFERED
+        self.partial_request = cfg.request_body_mode == PARTIAL
         self.duplex_response = cfg.response_body_mode == DUPLEX
         self.reads_response = cfg.response_body_mode != NO_BODY
         self.subset = gie.subset_of(req)
@@ -164,6 +164,9 @@ class Exchange:
             return [_error(limit)]
         if msg.end_of_stream or self.buffered_request:
             return await self._decide_on_body(trailers=False)
+        if self.partial_request:  # cut at the gateway's buffer: the prompt is not all here
+            self.body, self.decided = [], True
+            return [_error(_cut_body(self.body_bytes))]
         return []  # FULL_DUPLEX_STREAMED: more chunks, or the trailers, follow
 
     async def _request_trailers(self) -> Responses:
@@ -329,6 +332,20 @@ def _unsupported_mode(mode: int) -> ConfigError:
     )
     if mode not in _told_modes:
         _told_modes.add(mode)
+        log.error("ext_proc: %s", err.message)
+    return err
+
+
+def _cut_body(got: int) -> ConfigError:
+    err = ConfigError(
+        f"the gateway sent the endpoint picker the first {got} bytes of a request body "
+        "(request_body_mode BUFFERED_PARTIAL cuts a body at its buffer limit), which it "
+        "cannot route on: set request_body_mode to BUFFERED, or raise the listener's "
+        "per_connection_buffer_limit_bytes above the largest request body",
+        param="request_body_mode",
+    )
+    if PARTIAL not in _told_modes:
+        _told_modes.add(PARTIAL)
         log.error("ext_proc: %s", err.message)
     return err
 
