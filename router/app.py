@@ -159,9 +159,11 @@ class RouterApp:
         self._warm: asyncio.Task[None] | None = None
 
     def _forget_worker(self, h: WorkerHandle, names: list[str]) -> None:
-        """A worker left the fleet: its metric series and idle connections."""
+        """Endpoints left the fleet: their metric series, and the worker's idle connections
+        where the worker itself left (not where its data-parallel ranks changed)."""
         self.metrics.forget_worker(names)
-        self.upstream.forget(h.host, h.port)
+        if self.pool.handles.get(h.name) is not h:
+            self.upstream.forget(h.host, h.port)
 
     def _abort(self, host: str, port: int, why: str) -> None:
         n = self.upstream.abort(host, port, why)

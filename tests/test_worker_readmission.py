@@ -9,6 +9,7 @@ import asyncio
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -17,6 +18,7 @@ from engines.sim.config import SimConfig
 from engines.sim.dp import sim_worker
 from engines.sim.worker import SimWorker
 from indexer.clock import MonotonicClock
+from router.app import RouterApp
 from router.core.config import Config, WorkerConfig
 from router.core.fleet import FleetState
 from router.tokenize import PACKAGED_TOKENIZER
@@ -204,3 +206,22 @@ async def test_a_drained_worker_restarted_without_its_ranks_stays_drained() -> N
         await worker.stop()
         if reborn is not None:
             await reborn.stop()
+
+
+async def test_a_change_of_ranks_keeps_the_workers_idle_connections() -> None:
+    """Endpoints a new rank layout drops go from the fleet; the worker stays, and so do its
+    warm connections (closed, every request after the change would connect anew)."""
+    cfg = Config(workers=(WorkerConfig("http://127.0.0.1:9"),), tokenizer=str(PACKAGED_TOKENIZER))
+    app = RouterApp(cfg)
+    await app.pool.set_workers(cfg.workers)
+    try:
+        h = next(iter(app.pool.handles.values()))
+        key = (h.host, h.port, False)
+        conn = SimpleNamespace(transport=None)
+        app.upstream._idle[key] = [conn]  # type: ignore[list-item]
+        app._forget_worker(h, [f"{h.name}#dp1"])  # a rank dropped, the worker still there
+        assert app.upstream._idle.get(key) == [conn]
+        await app.pool.set_workers(())  # the worker itself left
+        assert key not in app.upstream._idle
+    finally:
+        await app.pool.stop()
