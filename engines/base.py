@@ -31,6 +31,7 @@ class RankLoad:
     waiting: float = 0.0
     kv_usage: float | None = None
     deferred: float | None = None  # as EngineMetrics.deferred
+    generation_tokens: float | None = None  # as EngineMetrics.generation_tokens, this rank's
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,10 @@ PROBE_TEXT = "kvroute tokenizer probe: The quick brown fox jumps over 13 lazy do
 PROBE_CHAT = [{"role": "user", "content": PROBE_TEXT}]
 
 
+def _grew(before: float | None, now: float | None) -> bool:
+    return before is not None and now is not None and now > before
+
+
 def restarted(before: EngineMetrics | None, now: EngineMetrics) -> bool:
     """A counter that only grows went down: a new engine process."""
     if before is None or before.prefix_queries is None or now.prefix_queries is None:
@@ -163,9 +167,13 @@ class WorkerChecks:
         if restarted(h.metrics, m):  # rediscovering forgets its batch limit too
             h.metrics = m
             await self.pool.rediscover(h, "its /metrics counters went back (engine restart)")
-        before = h.metrics.generation_tokens if h.metrics is not None else None
-        if m.generation_tokens is not None and before is not None and m.generation_tokens > before:
-            h.progressed_at = self.pool.clock.now()
+        now = self.pool.clock.now()
+        if _grew(h.metrics.generation_tokens if h.metrics else None, m.generation_tokens):
+            h.progressed_at = now
+        for rank, figures in m.by_rank.items():
+            was = h.metrics.by_rank.get(rank) if h.metrics else None
+            if _grew(was.generation_tokens if was else None, figures.generation_tokens):
+                h.rank_progressed_at[rank] = now
         h.metrics = m
         for f in h.feeds:
             # a DP rank's own figures; a rank its engine did not report is left as it was

@@ -63,6 +63,9 @@ class WorkerHandle:
     timeouts: int = 0  # consecutive requests that timed out
     # when a scrape last showed its engine's generated-token count move (None: never seen)
     progressed_at: float | None = None
+    # the same, by data-parallel rank, where its engine counts them apart (vLLM's `engine`
+    # label): one hung rank stays hung while its siblings generate
+    rank_progressed_at: dict[int, float] = field(default_factory=dict)
     draining: bool = False  # taken out of rotation by an operator (admin API)
     last_error: str = ""
     problems: dict[str, str] = field(default_factory=dict)  # config problems found by probes
@@ -473,10 +476,19 @@ class WorkerPool:
             self.set_down(h, f"{h.timeouts} requests in a row timed out ({why})")
 
     def progressed_since(self, endpoint: str, since: float) -> bool:
-        """Whether a scrape since `since` (the pool's clock) showed the worker's engine
-        generate tokens: it was alive then, whatever a request waiting on it met."""
+        """Whether a scrape since `since` (the pool's clock) showed the endpoint's engine
+        generate tokens: it was alive then, whatever a request waiting on it met. A
+        data-parallel rank is judged by its own count where the engine reports one."""
         h = self.handle_of(endpoint)
-        return h is not None and h.progressed_at is not None and h.progressed_at >= since
+        if h is None:
+            return False
+        state = self.fleet.workers.get(endpoint)
+        rank = state.rank if state is not None else None
+        own = h.metrics.by_rank.get(rank) if h.metrics is not None and rank is not None else None
+        at = h.progressed_at
+        if rank is not None and own is not None and own.generation_tokens is not None:
+            at = h.rank_progressed_at.get(rank)
+        return at is not None and at >= since
 
     def note_answered(self, endpoint: str) -> None:
         h = self.handle_of(endpoint)

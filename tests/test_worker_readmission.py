@@ -225,3 +225,29 @@ async def test_a_change_of_ranks_keeps_the_workers_idle_connections() -> None:
         assert key not in app.upstream._idle
     finally:
         await app.pool.stop()
+
+
+async def test_a_data_parallel_rank_is_judged_alive_by_its_own_tokens() -> None:
+    """A request that timed out on one rank counts toward ejecting the worker unless that
+    rank generated meanwhile: its siblings' tokens say nothing of it (vLLM's `engine`
+    label tells the ranks' counters apart)."""
+    worker = sim_worker(SIM.replace(data_parallel_size=2))
+    await worker.start()
+    try:
+        name = f"127.0.0.1:{worker.port}"
+        async with pool_of(worker.url) as pool:
+            await until(lambda: len(pool.fleet.workers) == 2, "both ranks discovered")
+            h = pool.handles[name]
+            await pool.checks._scrape_now(h)
+            since = pool.clock.now()
+            body = {"model": worker.config.model, "prompt": DOC, "max_tokens": 4}
+            async with httpx.AsyncClient(timeout=10) as client:
+                resp = await client.post(
+                    f"{worker.url}/v1/completions", json=body, headers={"x-data-parallel-rank": "0"}
+                )
+                assert resp.status_code == 200, resp.text
+            await pool.checks._scrape_now(h)
+            assert pool.progressed_since(f"{name}#dp0", since)
+            assert not pool.progressed_since(f"{name}#dp1", since)
+    finally:
+        await worker.stop()

@@ -120,6 +120,7 @@ def _metrics(samples: Iterable[Sample]) -> EngineMetrics:
             v.get("vllm:num_requests_waiting", 0.0),
             v.get("vllm:kv_cache_usage_perc"),
             v.get(_DEFERRED),
+            v.get("vllm:generation_tokens_total"),
         )
         for r, v in ranks.items()
     }
