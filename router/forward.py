@@ -78,6 +78,9 @@ class ConnectFailed(Exception):
         self.detail = detail
 
 
+FIRST_CHUNK_LATE = "no first chunk in time"  # an event stream's head came, its first chunk not
+
+
 class WorkerTimedOut(ConnectFailed):
     """The worker did not answer in time and nothing reached the client yet."""
 
@@ -303,7 +306,7 @@ async def _first_chunk(worker: str, response: Response) -> None:
     try:
         await response.started()
     except TimeoutError:
-        raise WorkerTimedOut(worker, "no first chunk in time") from None
+        raise WorkerTimedOut(worker, FIRST_CHUNK_LATE) from None
     except UpstreamClosed as exc:
         raise WorkerBrokeOff(worker, f"closed before the first chunk: {exc}") from None
 

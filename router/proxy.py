@@ -49,6 +49,7 @@ from router.core.errors import (
     UpstreamTimeout,
 )
 from router.forward import (
+    FIRST_CHUNK_LATE,
     ConnectFailed,
     Forwarder,
     Outcome,
@@ -225,7 +226,7 @@ class ProxyDoor:
                     "timeout" if timed_out else "worker_failed" if broke_off else "connect_failed"
                 )
                 if timed_out and not r.rin.stream:
-                    raise self._whole_timeout(choice.worker, sent_at) from None
+                    raise self._whole_timeout(choice.worker, sent_at, exc.detail) from None
                 failures.append(str(exc))
                 self._worker_failed(choice.worker, exc, sent_at)
                 tried.add(choice.worker)
@@ -240,7 +241,7 @@ class ProxyDoor:
                     self.svc.finish(ticket, status=0, outcome=outcome)
         raise UpstreamError("no worker could take the request", detail="; ".join(failures))
 
-    def _whole_timeout(self, worker: str, sent_at: float) -> UpstreamTimeout:
+    def _whole_timeout(self, worker: str, sent_at: float, detail: str) -> UpstreamTimeout:
         """A non-streaming answer has no head until it is whole (vLLM's way), so its wait is
         the request timeout, which a long generation reaches on a healthy worker. Retrying
         would run it again elsewhere, and counting it as a hang would eject healthy workers
@@ -248,6 +249,13 @@ class ProxyDoor:
         worker's engine generated no token meanwhile (its scrapes): an engine hung behind a
         live API server passes health checks, and non-streaming traffic must still find it."""
         self._timed_out(worker, sent_at, "no answer")
+        if detail == FIRST_CHUNK_LATE:  # a path that answers an event stream all the same
+            return UpstreamTimeout(
+                "the worker's event stream sent no first chunk within the inter-chunk "
+                f"timeout ({self.config.inter_chunk_timeout_s:g} s); raise "
+                "--inter-chunk-timeout",
+                detail=f"worker {worker}",
+            )
         return UpstreamTimeout(
             f"no answer within the request timeout ({self.config.request_timeout_s:g} s): "
             "a non-streaming answer comes whole; stream it, or raise --request-timeout",

@@ -317,3 +317,23 @@ async def test_a_client_that_pipelined_a_request_and_hung_up_is_let_go() -> None
             await asyncio.sleep(0.05)
         assert app.fleet.load.known(name).requests == 0
         assert outcomes(app) == {"client_disconnected": 1}
+
+
+async def test_an_event_stream_on_another_path_late_to_its_first_chunk_says_which_timeout() -> None:
+    """A path kvroute passes through may answer an event stream though the request did not
+    ask to stream: its first chunk waits the inter-chunk timeout, and the 504 names it."""
+
+    async def late(scope: Any, receive: Any, send: Any, body: bytes) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": SSE})
+        await asyncio.sleep(1.0)
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+    engine = Engine()
+    engine.handlers["/v1/responses"] = late
+    async with (
+        fleet(engine, inter_chunk_timeout_s=0.3, eject_after_timeouts=100) as (_, url),
+        httpx.AsyncClient(base_url=url, timeout=10) as client,
+    ):
+        r = await client.post("/v1/responses", json={"model": "m", "input": "hello"})
+        assert r.status_code == 504, r.text
+        assert "--inter-chunk-timeout" in r.json()["error"]["message"], r.text
