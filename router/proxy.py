@@ -248,7 +248,7 @@ class ProxyDoor:
         (and cut their streams) one long request at a time. It counts as one only where the
         worker's engine generated no token meanwhile (its scrapes): an engine hung behind a
         live API server passes health checks, and non-streaming traffic must still find it."""
-        self._timed_out(worker, sent_at, "no answer")
+        self.pool.timed_out(worker, sent_at, "no answer")
         if detail == FIRST_CHUNK_LATE:  # a path that answers an event stream all the same
             return UpstreamTimeout(
                 "the worker's event stream sent no first chunk within the inter-chunk "
@@ -301,7 +301,7 @@ class ProxyDoor:
         if result.broken == "timeout":
             # a worker that sends a stream's head and then hangs is hung all the same
             since = self.pool.clock.now() - result.silent_s
-            self._timed_out(ticket.worker, since, "no chunk within the timeout")
+            self.pool.timed_out(ticket.worker, since, "no chunk within the timeout")
         elif result.broken is None:
             self.pool.note_answered(ticket.worker)
         if result.broken is not None:
@@ -313,18 +313,10 @@ class ProxyDoor:
         if result.broken is not None:
             self.svc.forget_if_gone(ticket.worker)
 
-    def _timed_out(self, worker: str, since: float, why: str) -> None:
-        """A request waited on the worker past its timeout. It counts toward ejecting the
-        worker only where its engine generated no token since `since` (its scrapes): a busy
-        engine queues new streams past the first-byte timeout while it generates for the
-        others, and ejecting it would cut those streams too."""
-        if not self.pool.progressed_since(worker, since):
-            self.pool.note_timeout(worker, f"{why}, and its engine generated no token meanwhile")
-
     def _worker_failed(self, worker: str, exc: ConnectFailed, sent_at: float) -> None:
         self.metrics.child(self.metrics.retries, worker).inc()
         if isinstance(exc, WorkerTimedOut):
-            self._timed_out(worker, sent_at, exc.detail)
+            self.pool.timed_out(worker, sent_at, exc.detail)
         elif not isinstance(exc, WorkerBrokeOff):  # one request's failure: the others stay
             self.pool.eject(worker, f"connect failed: {exc.detail}")
 

@@ -475,6 +475,14 @@ class WorkerPool:
         if h.timeouts >= self.config.eject_after_timeouts:
             self.set_down(h, f"{h.timeouts} requests in a row timed out ({why})")
 
+    def timed_out(self, endpoint: str, since: float, why: str) -> None:
+        """A request waited on the endpoint past its timeout. It counts toward ejecting the
+        worker only where its engine generated no token since `since` (its scrapes): a busy
+        engine queues new streams past the first-byte timeout while it generates for the
+        others, and ejecting it would cut those streams too."""
+        if not self.progressed_since(endpoint, since):
+            self.note_timeout(endpoint, f"{why}, and its engine generated no token meanwhile")
+
     def progressed_since(self, endpoint: str, since: float) -> bool:
         """Whether a scrape since `since` (the pool's clock) showed the endpoint's engine
         generate tokens: it was alive then, whatever a request waiting on it met. A

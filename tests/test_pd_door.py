@@ -24,6 +24,7 @@ from pd_fakes import (
 )
 from prometheus_client import CollectorRegistry, generate_latest
 
+from router.pd import legs
 from router.pd.door import UNKNOWN_WORKER, PDDoor
 from router.pd.metrics import PDMetrics
 from router.pd.wire import PREFILL_PARAMS
@@ -124,6 +125,18 @@ async def test_a_decode_leg_waiting_on_its_pull_is_not_a_hung_worker() -> None:
             assert status == 200 and "t2" in text
         h = s.app.pool.handles[s.names["decode"]]
         assert h.available and h.timeouts == 0
+
+
+async def test_a_decode_worker_that_never_answers_counts_its_timeouts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # no head at all (an API server hung): a timeout toward ejecting it, as on the proxy's
+    # way, where its engine generated nothing meanwhile
+    monkeypatch.setattr(legs, "HANDSHAKE_S", 0.2)  # the room for a pull's handshake
+    async with pd_router(prefill_ok(), prefill_hangs(), first_byte_timeout_s=0.3) as s:
+        status, _, _ = await sse(s.client, CLIENT)
+        assert status == 504
+        assert s.app.pool.handles[s.names["decode"]].timeouts == 1
 
 
 async def test_a_decode_leg_dying_mid_stream_is_one_error_never_a_second_stream() -> None:

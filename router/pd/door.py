@@ -350,6 +350,7 @@ class PDDoor:
             self.config, r.rin.stream, self.model.transfer_ms(plan.uncached), plan.uncached
         )
         sent = time.perf_counter()
+        sent_at = self.pool.clock.now()
 
         def first_byte() -> None:
             self.svc.first_token(ticket)
@@ -371,7 +372,7 @@ class PDDoor:
             )
             proved = self._decoded(r, plan, ticket, result, sent)
         except ConnectFailed as exc:
-            await self._decode_unsent(r, send, local, plan, ticket, exc)
+            await self._decode_unsent(r, send, local, plan, ticket, exc, sent_at)
         except asyncio.CancelledError:
             if r.first_byte is not None:  # the first token came: the pull happened
                 proved = self._learn_split(r, plan, sent)
@@ -423,15 +424,18 @@ class PDDoor:
         plan: m.Plan,
         ticket: Ticket,
         exc: ConnectFailed,
+        sent_at: float,
     ) -> None:
         """Nothing reached the client. A decode worker that timed out may still hold the
-        request and be pulling: one error. One that never took it, or dropped the
-        connection (the engine aborts a request whose connection closed): served the
-        proxy's way instead, as the proxy serves a worker that fails so."""
+        request and be pulling: one error, and one toward ejecting it where its engine
+        generated nothing meanwhile (as the proxy counts it). One that never took it, or
+        dropped the connection (the engine aborts a request whose connection closed):
+        served the proxy's way instead, as the proxy serves a worker that fails so."""
         timed_out = isinstance(exc, WorkerTimedOut)
         self.svc.finish(ticket, status=0, outcome="timeout" if timed_out else "connect_failed")
         self._count(self.metrics.orphans, plan.prefill or UNKNOWN_WORKER, "decode_failed")
         if timed_out:
+            self.pool.timed_out(plan.decode, sent_at, f"decode leg: {exc.detail}")
             self._count(self.metrics.decode_errors, plan.decode, "timeout")
             raise UpstreamTimeout(
                 "the decode worker did not answer in time", detail=f"{plan.decode}: {exc.detail}"
