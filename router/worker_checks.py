@@ -112,6 +112,7 @@ class WorkerChecks:
             # clear requests timing out: an engine whose server answers while its model
             # hangs passes every health check
             h.timeouts = 0
+            h.timeouts_by.clear()
         if not h.discovered:
             await self.pool.discover_once(h)
         elif was_down:

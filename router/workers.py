@@ -60,7 +60,10 @@ class WorkerHandle:
     models: list[dict[str, Any]] = field(default_factory=list)  # the worker's /v1/models cards
     metrics: EngineMetrics | None = None
     failures: int = 0  # consecutive failed health checks
-    timeouts: int = 0  # consecutive requests that timed out
+    timeouts: int = 0  # consecutive requests that timed out, on its worst endpoint
+    # the same by endpoint: a data-parallel rank hung behind a server whose other ranks answer
+    # is counted on its own, not reset by its siblings' answers
+    timeouts_by: dict[str, int] = field(default_factory=dict)
     # when a scrape last showed its engine's generated-token count move (None: never seen)
     progressed_at: float | None = None
     # the same, by data-parallel rank, where its engine counts them apart (vLLM's `engine`
@@ -269,9 +272,6 @@ class WorkerPool:
         if why:
             log.warning("worker %s: forgetting its cache because %s", h.name, why)
             await self._forget(h)
-        for f in h.feeds:  # back in rotation: its requests from before were failed over
-            if f.state.health is not None:
-                f.state.health.forget_pending()
         if m is not None:  # unanswered, the last counters still tell a restart later
             h.metrics = m
         answered = True  # it said which event publishers it has (or none were asked for)
@@ -436,6 +436,9 @@ class WorkerPool:
         the answers show a new engine process."""
         async with h.lock:
             if self.handles.get(h.name) is h:
+                for f in h.feeds:  # its requests from before were failed over or cut
+                    if f.state.health is not None:
+                        f.state.health.forget_pending()
                 await self.discover(h)
 
     async def _forget(self, h: WorkerHandle) -> None:
@@ -471,7 +474,8 @@ class WorkerPool:
         h = self.handle_of(endpoint)
         if h is None:
             return
-        h.timeouts += 1
+        h.timeouts_by[endpoint] = h.timeouts_by.get(endpoint, 0) + 1
+        h.timeouts = max(h.timeouts_by.values())
         if h.timeouts >= self.config.eject_after_timeouts:
             self.set_down(h, f"{h.timeouts} requests in a row timed out ({why})")
 
@@ -500,8 +504,8 @@ class WorkerPool:
 
     def note_answered(self, endpoint: str) -> None:
         h = self.handle_of(endpoint)
-        if h is not None:
-            h.timeouts = 0
+        if h is not None and h.timeouts_by.pop(endpoint, None) is not None:
+            h.timeouts = max(h.timeouts_by.values(), default=0)
 
     def models_doc(self) -> dict[str, Any]:
         """The union of the workers' /v1/models cards, each name once."""

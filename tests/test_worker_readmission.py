@@ -249,5 +249,12 @@ async def test_a_data_parallel_rank_is_judged_alive_by_its_own_tokens() -> None:
             await pool.checks._scrape_now(h)
             assert pool.progressed_since(f"{name}#dp0", since)
             assert not pool.progressed_since(f"{name}#dp1", since)
+            # rank 1 hung: its requests time out while rank 0's are answered; its siblings'
+            # answers do not reset its count, and its timeouts in a row eject the worker
+            for _ in range(pool.config.eject_after_timeouts):
+                assert h.available
+                pool.timed_out(f"{name}#dp1", since, "no first chunk in time")
+                pool.note_answered(f"{name}#dp0")
+            assert not h.available
     finally:
         await worker.stop()
