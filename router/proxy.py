@@ -229,10 +229,9 @@ class ProxyDoor:
                     raise self._whole_timeout(choice.worker, sent_at, exc.detail) from None
                 failures.append(str(exc))
                 self._worker_failed(choice.worker, exc, sent_at)
-                tried.add(choice.worker)
-                if not broke_off:
-                    # its data-parallel ranks share its API server, hung or unreachable too
-                    tried.update(f.state.name for f in h.feeds)
+                # its data-parallel ranks share its API server, hung, unreachable or
+                # breaking off too (a server that crashed closes every stream it held)
+                tried.update(f.state.name for f in h.feeds)
             except asyncio.CancelledError:
                 outcome = r.cancelled_outcome()
                 raise

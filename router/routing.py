@@ -429,6 +429,11 @@ class DecisionService:
         model = self.model_label(ticket.decision.request.model)
         label = outcome or ("ok" if status < 400 else "http_error")
         self.metrics.count(model, ticket.worker, status, label)
+        if outcome in ("connect_failed", "worker_failed"):
+            # never reached the engine, or the engine failed it before a first token: what
+            # the pick believed of its cache goes, and its KV events are not waited on (a
+            # block it did store still shows in them)
+            self._unbelieve(ticket)
         if outcome is not None:
             return
         if 400 <= status < 500:

@@ -115,12 +115,19 @@ async def test_a_stream_queued_past_the_first_byte_timeout_counts_only_on_an_idl
         assert (h.timeouts == 0) is generating
 
 
-async def test_a_retry_after_a_timeout_skips_the_ranks_behind_the_same_server() -> None:
-    """Data-parallel ranks share one API server: when it hangs, the retry must leave it."""
+@pytest.mark.parametrize("breaks_off", [False, True], ids=["hangs", "closes-after-its-head"])
+async def test_a_retry_after_a_timeout_skips_the_ranks_behind_the_same_server(
+    breaks_off: bool,
+) -> None:
+    """Data-parallel ranks share one API server: when it hangs, or crashes and closes every
+    stream it held before their first chunk, the retry must leave it."""
     tried: list[str] = []
 
     async def hangs(scope: Any, receive: Any, send: Any, body: bytes) -> None:
         tried.append("ranked")
+        if breaks_off:
+            await send({"type": "http.response.start", "status": 200, "headers": SSE})
+            raise RuntimeError("the server went down")
         while (await receive())["type"] != "http.disconnect":
             pass  # no head, ever
 
@@ -256,7 +263,7 @@ async def test_a_stream_closed_before_its_first_chunk_is_retried_and_spares_the_
     for e in engines:
         e.handlers["/v1/completions"] = streams
     async with (
-        fleet(*engines) as (app, url),
+        fleet(*engines, admin_insecure=True) as (app, url),
         httpx.AsyncClient(base_url=url, timeout=10) as client,
     ):
 
@@ -272,6 +279,9 @@ async def test_a_stream_closed_before_its_first_chunk_is_retried_and_spares_the_
         for body in await asyncio.gather(*running):
             assert body.endswith("data: [DONE]\n\n") and "error" not in body, body
         assert all(h.available for h in app.pool.handles.values())
+        # the engines stored nothing for them: nothing is believed of their prompts
+        route = await client.post("/debug/route", json={"model": "m", "prompt": "breaks 0 " * 20})
+        assert all(w["overlap_blocks"] == 0 for w in route.json()["workers"]), route.json()
         retried = app.metrics.retries.collect()[0].samples
         assert sum(s.value for s in retried if s.name.endswith("_total")) >= 4
 
