@@ -100,14 +100,15 @@ async def answers(ch: grpc.aio.Channel, *reqs: pb.ProcessingRequest) -> list[Any
     return out
 
 
+@pytest.mark.parametrize("trailers", [False, True], ids=["ends-the-stream", "trailers-follow"])
 async def test_a_partial_mode_body_within_the_buffer_is_decided_on(
-    channel: grpc.aio.Channel,
+    channel: grpc.aio.Channel, trailers: bool
 ) -> None:
     doc = json.dumps({"model": "kvroute-sim", "prompt": "hello " * 50}).encode()
     head, decided = await answers(
         channel,
         request_headers(MODE.BUFFERED_PARTIAL, "POST", "/v1/completions", end=False),
-        body(doc, end=True),
+        body(doc, end=not trailers),  # with trailers to come the body does not end it
     )
     assert head.HasField("request_headers"), head  # the route waits for the body
     assert decided.HasField("request_body"), decided

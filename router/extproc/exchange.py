@@ -164,7 +164,11 @@ class Exchange:
             return [_error(limit)]
         if msg.end_of_stream or self.buffered_request:
             return await self._decide_on_body(trailers=False)
-        if self.partial_request:  # cut at the gateway's buffer: the prompt is not all here
+        if self.partial_request:
+            # not the stream's end: trailers follow a whole body, or the gateway cut it at
+            # its buffer (then the prompt is not all here, nor is the JSON whole)
+            if _whole_json(b"".join(self.body)):
+                return await self._decide_on_body(trailers=False)
             self.body, self.decided = [], True
             return [_error(_cut_body(self.body_bytes))]
         return []  # FULL_DUPLEX_STREAMED: more chunks, or the trailers, follow
@@ -330,10 +334,15 @@ def _unsupported_mode(mode: int) -> ConfigError:
         "or FULL_DUPLEX_STREAMED (kvroute envoy-config writes BUFFERED)",
         param="request_body_mode",
     )
-    if mode not in _told_modes:
-        _told_modes.add(mode)
-        log.error("ext_proc: %s", err.message)
-    return err
+    return _said_once(mode, err)
+
+
+def _whole_json(body: bytes) -> bool:
+    try:
+        msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return False
+    return True
 
 
 def _cut_body(got: int) -> ConfigError:
@@ -344,8 +353,13 @@ def _cut_body(got: int) -> ConfigError:
         "per_connection_buffer_limit_bytes above the largest request body",
         param="request_body_mode",
     )
-    if PARTIAL not in _told_modes:
-        _told_modes.add(PARTIAL)
+    return _said_once(PARTIAL, err)
+
+
+def _said_once(mode: int, err: ConfigError) -> ConfigError:
+    """The gateway's setting is wrong for every request alike: logged once a process."""
+    if mode not in _told_modes:
+        _told_modes.add(mode)
         log.error("ext_proc: %s", err.message)
     return err
 
