@@ -4,8 +4,9 @@ Prefill leg: sent to the prefill worker, read whole (it is `stream=false`, one t
 failure here happens before a byte reached the client: the door then prefills on the decode
 worker instead (counted by cause). Decode leg: the client's request plus the params, relayed
 to the client as it streams. Its timeouts leave room for the KV pull, and a decode leg that
-times out does not count against the decode worker (a worker waiting on a pull is not
-hung); once a byte reached the client a failure is one error, never a second stream.
+times out even so counts against the decode worker only where its engine generated no token
+meanwhile (`WorkerPool.timed_out`); once a byte reached the client a failure is one error,
+never a second stream.
 """
 
 from __future__ import annotations
