@@ -79,6 +79,29 @@ async def fleet(*engines: Engine, **config: Any) -> AsyncIterator[tuple[RouterAp
         yield app, url
 
 
+def watch_hangup(receive: Any, saw: asyncio.Event) -> asyncio.Task[None]:
+    """A worker's side of a request: `saw` is set once the router lets go of it."""
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        saw.set()
+
+    return asyncio.create_task(watch())
+
+
+async def let_go(app: RouterApp, name: str, worker_saw_hangup: asyncio.Event) -> None:
+    """The router let go of the one request the client hung up on: the worker was told, its
+    load is back to none, and it counts as the client's hang-up."""
+    await asyncio.wait_for(worker_saw_hangup.wait(), 10)
+    for _ in range(100):
+        if app.fleet.load.known(name).requests == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert app.fleet.load.known(name).requests == 0
+    assert outcomes(app) == {"client_disconnected": 1}
+
+
 def completion(prompt: str = "hello") -> dict[str, Any]:
     return {"model": "m", "prompt": prompt, "stream": True}
 
@@ -169,12 +192,7 @@ async def test_a_client_that_stops_reading_is_hung_up_on() -> None:
     worker_saw_hangup = asyncio.Event()
 
     async def floods(scope: Any, receive: Any, send: Any, body: bytes) -> None:
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            worker_saw_hangup.set()
-
-        watching = asyncio.create_task(watch())
+        watching = watch_hangup(receive, worker_saw_hangup)
         await send({"type": "http.response.start", "status": 200, "headers": SSE})
         chunk = b"data: " + b"x" * 65536 + b"\n\n"
         while not worker_saw_hangup.is_set():  # a long answer, until the router lets go
@@ -193,13 +211,7 @@ async def test_a_client_that_stops_reading_is_hung_up_on() -> None:
         head = b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-length: %d\r\n\r\n"
         client.sendall(head % len(body) + body)  # and never reads
         try:
-            await asyncio.wait_for(worker_saw_hangup.wait(), 10)
-            for _ in range(100):
-                if app.fleet.load.known(name).requests == 0:
-                    break
-                await asyncio.sleep(0.05)
-            assert app.fleet.load.known(name).requests == 0
-            assert outcomes(app) == {"client_disconnected": 1}
+            await let_go(app, name, worker_saw_hangup)
             for _ in range(100):  # and its connection is reset, not left open for it to drain
                 if client.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == TCP_CLOSE:
                     break
@@ -292,12 +304,7 @@ async def test_a_client_that_pipelined_a_request_and_hung_up_is_let_go() -> None
     worker_saw_hangup = asyncio.Event()
 
     async def streams(scope: Any, receive: Any, send: Any, body: bytes) -> None:
-        async def watch() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            worker_saw_hangup.set()
-
-        watching = asyncio.create_task(watch())
+        watching = watch_hangup(receive, worker_saw_hangup)
         await send({"type": "http.response.start", "status": 200, "headers": SSE})
         for _ in range(100):  # a 10 s answer
             if worker_saw_hangup.is_set():
@@ -320,13 +327,7 @@ async def test_a_client_that_pipelined_a_request_and_hung_up_is_let_go() -> None
         await writer.drain()
         await asyncio.sleep(0.2)
         writer.close()
-        await asyncio.wait_for(worker_saw_hangup.wait(), 3)
-        for _ in range(60):
-            if app.fleet.load.known(name).requests == 0:
-                break
-            await asyncio.sleep(0.05)
-        assert app.fleet.load.known(name).requests == 0
-        assert outcomes(app) == {"client_disconnected": 1}
+        await let_go(app, name, worker_saw_hangup)
 
 
 async def test_an_event_stream_on_another_path_late_to_its_first_chunk_says_which_timeout() -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import zmq
@@ -187,6 +187,26 @@ async def test_lost_batches_and_late_join_recover_through_replay(
         await pub.stop()
 
 
+@contextlib.asynccontextmanager
+async def replay_server(
+    serve: Callable[[zmq.asyncio.Socket], Awaitable[None]], timeout_s: float
+) -> AsyncIterator[ReplayClient]:
+    """A replay ROUTER on loopback answering as `serve` does, and a client of it."""
+    ctx = zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind("tcp://127.0.0.1:*")
+    server = asyncio.create_task(serve(router))
+    client = ReplayClient(ctx, router.getsockopt_string(zmq.LAST_ENDPOINT), timeout_s=timeout_s)
+    try:
+        yield client
+    finally:
+        server.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await server
+        client.close()
+        ctx.destroy(linger=0)
+
+
 async def test_a_replay_of_the_engines_whole_buffer_comes_back_whole() -> None:
     """vLLM buffers 10,000 batches and sends a replay in one loop on a ROUTER socket, which
     drops what its 1,000-message queue cannot hold; the simulator's publisher does the same.
@@ -228,13 +248,9 @@ async def test_a_replay_cut_short_is_asked_again_from_its_first_missing_batch() 
     """Where the engine's sending outruns the network, its ROUTER drops batches from the
     middle of a reply, and the end marker with them: the client asks again from the first
     one missing, and keeps what it already has."""
-    ctx = zmq.asyncio.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.bind("tcp://127.0.0.1:*")
-    endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
     asked: list[int] = []
 
-    async def serve() -> None:
+    async def serve(router: zmq.asyncio.Socket) -> None:
         while True:
             ident, _, start_b = await router.recv_multipart()
             start = int.from_bytes(start_b, "big")
@@ -247,18 +263,10 @@ async def test_a_replay_cut_short_is_asked_again_from_its_first_missing_batch() 
             if not lossy:
                 await router.send_multipart([ident, b"", b"", END_SEQ, b""])
 
-    server = asyncio.create_task(serve())
-    client = ReplayClient(ctx, endpoint, timeout_s=0.3)
-    try:
+    async with replay_server(serve, timeout_s=0.3) as client:
         got = await client.fetch(0)
         assert got == [(seq, b"%d" % seq) for seq in range(5, 40)]
         assert asked == [0, 12]  # 0..4 are out of the buffer: not asked for again
-    finally:
-        server.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await server
-        client.close()
-        ctx.destroy(linger=0)
 
 
 async def test_without_replay_a_gap_resyncs_and_keeps_only_what_it_saw() -> None:
@@ -357,12 +365,8 @@ async def test_a_failure_inside_the_loop_restarts_the_subscriber() -> None:
 
 async def test_a_bad_frame_in_a_replay_reply_does_not_shift_the_next_replies() -> None:
     """The rest of a reply a bad frame broke off must not be read as the next reply."""
-    ctx = zmq.asyncio.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.bind("tcp://127.0.0.1:*")
-    endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    async def serve() -> None:
+    async def serve(router: zmq.asyncio.Socket) -> None:
         first = True
         while True:
             ident, _, start_b = await router.recv_multipart()
@@ -374,20 +378,12 @@ async def test_a_bad_frame_in_a_replay_reply_does_not_shift_the_next_replies() -
             for f in [*frames, [b"t", END_SEQ, b""]]:
                 await router.send_multipart([ident, b"", *f])
 
-    server = asyncio.create_task(serve())
-    client = ReplayClient(ctx, endpoint, timeout_s=2.0)
-    try:
+    async with replay_server(serve, timeout_s=2.0) as client:
         with pytest.raises(ValueError):
             await client.fetch(10)
         await asyncio.sleep(0.1)  # the broken reply's tail has arrived by now
         assert await client.fetch(50) == [(50, b"a")]
         assert await client.fetch(90) == [(90, b"a")]
-    finally:
-        server.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await server
-        client.close()
-        ctx.destroy(linger=0)
 
 
 @pytest.mark.parametrize(
@@ -401,15 +397,11 @@ async def test_a_bad_frame_in_a_replay_reply_does_not_shift_the_next_replies() -
 async def test_replay_client_reads_both_reply_shapes(shape: int, topic: bytes | None) -> None:
     """What each vLLM sent, byte for byte, over a real ROUTER socket: each batch's sequence
     number and payload come back, and the end marker ends the reply."""
-    ctx = zmq.asyncio.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.bind("tcp://127.0.0.1:*")
-    endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
     batches = [(7, b"\x93\xcb payload seven"), (8, b""), (9, b"nine")]
     head = [] if topic is None else [topic]
     end = [b""] if shape == 4 else []  # vLLM 0.32's end marker carries an empty topic
 
-    async def serve() -> None:
+    async def serve(router: zmq.asyncio.Socket) -> None:
         ident, _, start_b = await router.recv_multipart()
         start = int.from_bytes(start_b, "big")
         for seq, payload in batches:
@@ -417,13 +409,5 @@ async def test_replay_client_reads_both_reply_shapes(shape: int, topic: bytes | 
                 await router.send_multipart([ident, b"", *head, seq_bytes(seq), payload])
         await router.send_multipart([ident, b"", *end, END_SEQ, b""])
 
-    server = asyncio.create_task(serve())
-    client = ReplayClient(ctx, endpoint, timeout_s=2.0)
-    try:
+    async with replay_server(serve, timeout_s=2.0) as client:
         assert await client.fetch(8) == batches[1:]
-    finally:
-        server.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await server
-        client.close()
-        ctx.destroy(linger=0)
