@@ -186,6 +186,7 @@ class ProxyDoor:
 
     async def _attempts(self, r: _Request, send: Send) -> None:
         failures: list[str] = []
+        timeouts = 0
         tried: set[str] = set()
         for _ in range(2):  # one retry, on the next best endpoint
             choice = await self._next_choice(r, tried)
@@ -228,6 +229,7 @@ class ProxyDoor:
                 if timed_out and not r.rin.stream:
                     raise self._whole_timeout(choice.worker, sent_at, exc.detail) from None
                 failures.append(str(exc))
+                timeouts += timed_out
                 self._worker_failed(choice.worker, exc, sent_at)
                 # its data-parallel ranks share its API server, hung, unreachable or
                 # breaking off too (a server that crashed closes every stream it held)
@@ -238,6 +240,12 @@ class ProxyDoor:
             finally:
                 if outcome is not None:
                     self.svc.finish(ticket, status=0, outcome=outcome)
+        if failures and timeouts == len(failures):  # a gateway timeout, as the client sees it
+            raise UpstreamTimeout(
+                f"no worker answered within --first-byte-timeout "
+                f"({self.config.first_byte_timeout_s:g} s) on {len(failures)} tries",
+                detail="; ".join(failures),
+            )
         raise UpstreamError("no worker could take the request", detail="; ".join(failures))
 
     def _whole_timeout(self, worker: str, sent_at: float, detail: str) -> UpstreamTimeout:

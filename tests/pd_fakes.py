@@ -55,6 +55,8 @@ class FakeWorker:
         self.external_tokens = 0.0
         self.local_tokens = 0.0
         self.nixl_bytes = 0.0
+        self.generating = False  # its engine generates for other requests: the count climbs
+        self.generated = 0.0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -80,7 +82,9 @@ class FakeWorker:
             await send_json(send, 404, {"error": "no"})
 
     def metrics(self) -> str:
+        self.generated += 100 if self.generating else 0
         return (
+            f"vllm:generation_tokens_total {self.generated}\n"
             f'vllm:cache_config_info{{block_size="{BLOCK}",num_gpu_blocks="4000",'
             f'enable_prefix_caching="True"}} 1.0\n'
             f'vllm:prompt_tokens_by_source_total{{source="external_kv_transfer"}} '

@@ -116,6 +116,19 @@ async def test_a_hung_prefill_leg_times_out_into_a_local_prefill() -> None:
         assert await s.metric('kvroute_pd_local_fallbacks_total{cause="prefill_timeout"}') == 1
 
 
+@pytest.mark.parametrize("generating", [True, False], ids=["busy", "hung"])
+async def test_a_prefill_leg_timing_out_counts_only_on_an_idle_engine(generating: bool) -> None:
+    # a prefill worker whose engine finishes other prefills meanwhile is busy, not hung
+    async with pd_router(
+        prefill_hangs(), decode_stream(), first_byte_timeout_s=0.5, scrape_interval_s=0.1
+    ) as s:
+        s.prefill.generating = generating
+        status, _, _ = await sse(s.client, CLIENT)
+        assert status == 200  # prefilled on the decode worker instead
+        h = s.app.pool.handles[s.names["prefill"]]
+        assert h.timeouts == (0 if generating else 1)
+
+
 async def test_a_decode_leg_waiting_on_its_pull_is_not_a_hung_worker() -> None:
     # the first-byte timeout is shorter than the pull: the leg gets room for the transfer,
     # and the decode worker is neither timed out nor ejected

@@ -348,3 +348,22 @@ async def test_an_event_stream_on_another_path_late_to_its_first_chunk_says_whic
         r = await client.post("/v1/responses", json={"model": "m", "input": "hello"})
         assert r.status_code == 504, r.text
         assert "--inter-chunk-timeout" in r.json()["error"]["message"], r.text
+
+
+async def test_a_stream_no_worker_answered_in_time_is_a_gateway_timeout() -> None:
+    """Every try waited out the first-byte timeout: a 504 naming it, not a 502."""
+
+    async def hangs(scope: Any, receive: Any, send: Any, body: bytes) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass  # no head, ever
+
+    engines = Engine(), Engine()
+    for e in engines:
+        e.handlers["/v1/completions"] = hangs
+    async with (
+        fleet(*engines, first_byte_timeout_s=0.3, eject_after_timeouts=100) as (_, url),
+        httpx.AsyncClient(base_url=url, timeout=10) as client,
+    ):
+        r = await client.post("/v1/completions", json=completion())
+        assert r.status_code == 504, r.text
+        assert "--first-byte-timeout" in r.json()["error"]["message"], r.text

@@ -280,12 +280,13 @@ class PDDoor:
             self.metrics.fallbacks.labels("prefill_removed").inc()
             return "prefill_removed"
         ticket = self.svc.start(pdec, worker)
+        sent_at = self.pool.clock.now()
         try:
             answer = await prefill_leg(
                 self.upstream, h, r, doc, state.rank, self.config, state.block_size
             )
         except LegFailed as exc:
-            self._prefill_failed(worker, ticket, exc)
+            self._prefill_failed(worker, ticket, exc, sent_at)
             return exc.cause
         except asyncio.CancelledError:
             self.svc.finish(ticket, status=0, outcome=r.cancelled_outcome())
@@ -301,7 +302,7 @@ class PDDoor:
         )
         return answer
 
-    def _prefill_failed(self, worker: str, ticket: Ticket, exc: LegFailed) -> None:
+    def _prefill_failed(self, worker: str, ticket: Ticket, exc: LegFailed, sent_at: float) -> None:
         if exc.cause == "prefill_refused":  # the request's fault: no word against the worker
             log.debug("prefill leg on %s refused the request (%s)", worker, exc.detail)
             self.svc.finish(ticket, status=exc.status)
@@ -321,7 +322,9 @@ class PDDoor:
         if exc.orphan:
             self._count(self.metrics.orphans, worker, "bad_params")
         if exc.cause == "prefill_timeout":
-            self.pool.note_timeout(worker, "prefill leg")
+            # a prefill worker's engine generates one token a prefill: where any finished
+            # meanwhile, this one waited in a busy queue, not on a hung engine
+            self.pool.timed_out(worker, sent_at, "prefill leg")
         elif exc.cause == "prefill_failed" and exc.detail.startswith(("connect", "closed")):
             self.pool.eject(worker, f"prefill leg: {exc.detail}")
 
