@@ -201,7 +201,8 @@ class Control:
         reports = [r for h in self.pool.handles.values() for r in worker_reports(self.pool, h)]
         statuses = {r["status"] for r in reports}
         drained = [r["name"] for r in reports if r["draining"]]
-        if "unhealthy" in statuses or not any(_takes_traffic(r) for r in reports):
+        serving = any(r["available"] and not r["draining"] for r in reports)
+        if "unhealthy" in statuses or not serving:
             status = "unhealthy"
         elif statuses - {"ok"}:  # degraded or ejected workers: routing goes on without them
             status = "degraded"
@@ -224,7 +225,7 @@ class Control:
             "draining_workers": drained,
             "workers": reports,
         }
-        if any(r["available"] for r in reports) and not any(_takes_traffic(r) for r in reports):
+        if any(r["available"] for r in reports) and not serving:
             doc["reason"] = (
                 "every available worker is drained: requests are refused 503; "
                 "POST /admin/workers/NAME/undrain returns one to rotation"
@@ -299,10 +300,6 @@ class Control:
         if (qs.get("tokens") or ["0"])[0] in ("1", "true", "yes"):
             out["prompt_token_ids"] = list(decision.tokens)
         return out
-
-
-def _takes_traffic(report: dict[str, Any]) -> bool:
-    return bool(report["available"] and not report["draining"])
 
 
 def decision_doc(decision: Decision) -> dict[str, Any]:

@@ -195,7 +195,6 @@ class Response:
 
     async def chunks(self) -> AsyncIterator[bytes]:
         conn = self._conn
-        loop = asyncio.get_running_loop()
         timeout = self._timeouts.first_chunk
         while True:
             while conn.chunks:
@@ -211,24 +210,26 @@ class Response:
                 return
             if conn.error is not None:
                 raise conn.error
-            conn.waiter = loop.create_future()
-            try:
-                await within(conn.waiter, timeout)
-            finally:
-                conn.waiter = None
+            await self._arrival(timeout)
 
     async def started(self) -> None:
         """Wait, within the first-chunk timeout, for the body's first chunk (or its end),
         leaving it for `chunks`."""
         conn = self._conn
         if not conn.chunks and not conn.complete and conn.error is None:
-            conn.waiter = asyncio.get_running_loop().create_future()
-            try:
-                await within(conn.waiter, self._timeouts.first_chunk)
-            finally:
-                conn.waiter = None
+            await self._arrival(self._timeouts.first_chunk)
         if conn.error is not None and not conn.chunks:
             raise conn.error
+
+    async def _arrival(self, timeout: float) -> None:
+        """Until the connection has more for this response (a chunk, its end or an error);
+        TimeoutError after `timeout` seconds."""
+        conn = self._conn
+        conn.waiter = asyncio.get_running_loop().create_future()
+        try:
+            await within(conn.waiter, timeout)
+        finally:
+            conn.waiter = None
 
     async def read(self) -> bytes:
         conn = self._conn

@@ -111,7 +111,6 @@ class WorkerChecks:
             # a fresh count for a worker back in rotation; a passing /health alone does not
             # clear requests timing out: an engine whose server answers while its model
             # hangs passes every health check
-            h.timeouts = 0
             h.timeouts_by.clear()
         if not h.discovered:
             await self.pool.discover_once(h)

@@ -60,9 +60,9 @@ class WorkerHandle:
     models: list[dict[str, Any]] = field(default_factory=list)  # the worker's /v1/models cards
     metrics: EngineMetrics | None = None
     failures: int = 0  # consecutive failed health checks
-    timeouts: int = 0  # consecutive requests that timed out, on its worst endpoint
-    # the same by endpoint: a data-parallel rank hung behind a server whose other ranks answer
-    # is counted on its own, not reset by its siblings' answers
+    # consecutive requests that timed out, by endpoint: a data-parallel rank hung behind a
+    # server whose other ranks answer is counted on its own, not reset by its siblings'
+    # answers (`timeouts`: its worst endpoint's)
     timeouts_by: dict[str, int] = field(default_factory=dict)
     # when a scrape last showed its engine's generated-token count move (None: never seen)
     progressed_at: float | None = None
@@ -83,6 +83,11 @@ class WorkerHandle:
     @property
     def name(self) -> str:
         return self.config.name
+
+    @property
+    def timeouts(self) -> int:
+        """Consecutive requests that timed out on its worst endpoint."""
+        return max(self.timeouts_by.values(), default=0)
 
     @property
     def url(self) -> str:
@@ -475,7 +480,6 @@ class WorkerPool:
         if h is None:
             return
         h.timeouts_by[endpoint] = h.timeouts_by.get(endpoint, 0) + 1
-        h.timeouts = max(h.timeouts_by.values())
         if h.timeouts >= self.config.eject_after_timeouts:
             self.set_down(h, f"{h.timeouts} requests in a row timed out ({why})")
 
@@ -504,8 +508,8 @@ class WorkerPool:
 
     def note_answered(self, endpoint: str) -> None:
         h = self.handle_of(endpoint)
-        if h is not None and h.timeouts_by.pop(endpoint, None) is not None:
-            h.timeouts = max(h.timeouts_by.values(), default=0)
+        if h is not None:
+            h.timeouts_by.pop(endpoint, None)
 
     def models_doc(self) -> dict[str, Any]:
         """The union of the workers' /v1/models cards, each name once."""
