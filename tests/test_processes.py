@@ -499,6 +499,10 @@ def prefill_tokens(url: str) -> float:
     return sum(samples(fresh(url, "/metrics").text, "kvroute_inflight_prefill_tokens").values())
 
 
+def inflight_requests(url: str) -> float:
+    return sum(samples(fresh(url, "/metrics").text, "kvroute_inflight_requests").values())
+
+
 def test_inflight_prefill_tokens_are_the_replicas_own() -> None:
     """Replica A (two processes) and replica B (one) count each other's load for their
     picks, but each one's kvroute_inflight_prefill_tokens is its own requests' (summed over
@@ -521,8 +525,11 @@ def test_inflight_prefill_tokens_are_the_replicas_own() -> None:
         assert [prefill_tokens(a.url) for _ in range(8)] == [0.0] * 8  # B's are not A's
         assert all(f.result().is_success for f in through_b)
         through_a = [pool.submit(complete, a.url, f"via A {i}: {prompt}") for i in range(4)]
-        until(lambda: prefill_tokens(a.url) > 0, 5, "A counts its own prefill")
+        # a request's prefill tokens are counted before it is counted in flight: once all
+        # four are in flight, every one's prefill is in the gauge
+        until(lambda: inflight_requests(a.url) == 4, 5, "all four of A's requests in flight")
         seen = [prefill_tokens(a.url) for _ in range(8)]
+        assert seen[0] > 0
         assert len(set(seen)) == 1, seen  # both processes' summed, whichever answers
         assert prefill_tokens(b.url) == 0.0  # A's are not B's
         assert all(f.result().is_success for f in through_a)
