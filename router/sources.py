@@ -21,7 +21,7 @@ import yaml
 
 from router.core.config import Config, WorkerConfig, parse_workers, validate_workers
 from router.core.errors import ConfigError
-from router.workers import WorkerPool
+from router.workers import WorkerPool, one_family
 
 log = logging.getLogger("kvroute.workers")
 
@@ -215,23 +215,3 @@ class WorkerSources:
             await asyncio.sleep(self.config.dns_interval_s)
             if await self._resolve():
                 await self._apply(f"workers_dns {self.config.workers_dns}")
-
-
-def one_family(infos: list[tuple[Any, ...]]) -> tuple[list[str], str]:
-    """The addresses of one family among getaddrinfo's answers, and what to say of the
-    choice ("" when there was none to make). A dual-stack headless Service answers each pod
-    twice, its A and its AAAA record: one worker per pod is one per IPv4 address, as vLLM's
-    default --host 0.0.0.0 listens on IPv4 only; IPv6 where no A record came."""
-    v4 = sorted({str(i[4][0]) for i in infos if i[0] == socket.AF_INET})
-    v6 = sorted({str(i[4][0]) for i in infos if i[0] == socket.AF_INET6})
-    if v4 and v6:
-        return v4, (
-            "answers IPv4 and IPv6 addresses (a dual-stack Service): one worker per IPv4 "
-            "address, as vLLM's default --host 0.0.0.0 listens on IPv4 only"
-        )
-    if v6:
-        return v6, (
-            "answers IPv6 addresses only: one worker per IPv6 address (vLLM must listen on "
-            "IPv6: --host ::)"
-        )
-    return v4, ""

@@ -372,13 +372,16 @@ class WorkerPool:
             )
 
     async def _resolve_address(self, h: WorkerHandle) -> None:
-        """host:port with the host as an IP address (a gateway's override_host matches IPs)."""
+        """host:port with the host as an IP address (a gateway's override_host matches IPs):
+        of a dual-stack name its IPv4 address, where vLLM's default --host 0.0.0.0 listens,
+        not whichever family getaddrinfo ranks first."""
         address = f"{h.host}:{h.port}"
         try:
             infos = await asyncio.get_running_loop().getaddrinfo(
                 h.host, h.port, type=socket.SOCK_STREAM
             )
-            ip = str(infos[0][4][0])
+            ips, _ = one_family(infos)
+            ip = ips[0] if ips else h.host
             address = f"[{ip}]:{h.port}" if ":" in ip else f"{ip}:{h.port}"
         except OSError:
             pass
@@ -518,3 +521,23 @@ class WorkerPool:
             for m in h.models:
                 seen.setdefault(str(m.get("id")), m)
         return {"object": "list", "data": list(seen.values())}
+
+
+def one_family(infos: list[tuple[Any, ...]]) -> tuple[list[str], str]:
+    """The addresses of one family among getaddrinfo's answers, and what to say of the
+    choice ("" when there was none to make). A dual-stack headless Service answers each pod
+    twice, its A and its AAAA record: one worker per pod is one per IPv4 address, as vLLM's
+    default --host 0.0.0.0 listens on IPv4 only; IPv6 where no A record came."""
+    v4 = sorted({str(i[4][0]) for i in infos if i[0] == socket.AF_INET})
+    v6 = sorted({str(i[4][0]) for i in infos if i[0] == socket.AF_INET6})
+    if v4 and v6:
+        return v4, (
+            "answers IPv4 and IPv6 addresses (a dual-stack Service): one worker per IPv4 "
+            "address, as vLLM's default --host 0.0.0.0 listens on IPv4 only"
+        )
+    if v6:
+        return v6, (
+            "answers IPv6 addresses only: one worker per IPv6 address (vLLM must listen on "
+            "IPv6: --host ::)"
+        )
+    return v4, ""

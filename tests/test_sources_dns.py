@@ -13,10 +13,10 @@ import pytest
 from engines.sim.config import SimConfig
 from engines.sim.fleet import run_fleet
 from router.app import RouterApp
-from router.core.config import Config
+from router.core.config import Config, WorkerConfig
 from router.procs import serve_in_process
-from router.sources import one_family
 from router.tokenize import PACKAGED_TOKENIZER
+from router.workers import one_family
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -82,3 +82,33 @@ async def test_a_dual_stack_pod_is_one_worker(
             assert sorted(app.pool.handles) == [f"127.0.0.1:{port}"]
     said = [r.message for r in caplog.records if "IPv4 and IPv6" in r.message]
     assert len(said) == 1 and SERVICE in said[0]
+
+
+async def test_a_dual_stack_worker_name_is_addressed_by_its_ipv4(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker given by a name with AAAA and A records: the address a gateway is told to
+    send to (override_host) is the IPv4 one, where vLLM's default --host 0.0.0.0 listens,
+    though getaddrinfo ranks the IPv6 one first."""
+    loop = asyncio.get_running_loop()
+    real = loop.getaddrinfo
+
+    async def resolve(host: Any, port: Any, *args: Any, **kw: Any) -> list[tuple[Any, ...]]:
+        if host != SERVICE:
+            return await real(host, port, *args, **kw)
+        return [v6("::1", int(port)), v4("127.0.0.1", int(port))]
+
+    monkeypatch.setattr(loop, "getaddrinfo", resolve)
+    sim = SimConfig(block_size=16, kv_blocks=256, topic="kv-events")
+    async with run_fleet(1, sim) as fleet:
+        port = fleet.workers[0].port
+        config = Config(
+            workers=(WorkerConfig(url=f"http://{SERVICE}:{port}"),),
+            tokenizer=str(PACKAGED_TOKENIZER),
+            admin_insecure=True,
+        )
+        app = RouterApp(config.validate())
+        async with serve_in_process(app):
+            (handle,) = app.pool.handles.values()
+            assert handle.address == f"127.0.0.1:{port}"
+            assert {s.address for s in handle.states} == {f"127.0.0.1:{port}"}
