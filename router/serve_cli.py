@@ -63,6 +63,7 @@ _TUNING: tuple[tuple[str, str, type, str], ...] = (
     ("--warm-connections", "warm_connections", int, "idle connections kept per worker"),
     ("--health-timeout", "health_timeout_s", float, "a worker's /health probe"),
     ("--eject-after-timeouts", "eject_after_timeouts", int, "timeouts in a row that eject"),
+    ("--timeout-hold", "timeout_hold_s", float, "held out at a 2nd timeout ejection in a row"),
     ("--header-timeout", "header_timeout_s", float, "a client's request head"),
     ("--keep-alive-timeout", "keep_alive_timeout_s", float, "an idle client connection"),
     ("--body-timeout", "body_timeout_s", float, "a client's whole request body"),

@@ -27,12 +27,19 @@ def _report(pool: WorkerPool, h: WorkerHandle, f: Feed) -> dict[str, Any]:
     problems = dict(h.problems)
     for i, err in enumerate(report.errors if report else ()):
         problems[f"events_{i}"] = err
+    held = pool.held(h) if not state.available else 0.0
     if not state.available:
         # first: its events' verdict ("events flowing") is beside the point while it is out
+        back = (
+            f"it is re-admitted in {held:.0f} s or once its engine generates a token, "
+            "though its /health answers"
+            if held
+            else "it is re-admitted once its /health answers"
+        )
         problems = {
             "unavailable": (
                 f"worker {state.name} is out of rotation: {h.last_error or 'failing health checks'}"
-                "; check its vLLM process or pod: it is re-admitted once its /health answers"
+                f"; check its vLLM process or pod: {back}"
             ),
             **problems,
         }
@@ -70,6 +77,8 @@ def _report(pool: WorkerPool, h: WorkerHandle, f: Feed) -> dict[str, Any]:
         out["events"] = _event_counters(f)
     if h.last_error and not state.available:
         out["last_error"] = h.last_error
+    if held:
+        out["held_s"] = round(held, 1)
     return out
 
 

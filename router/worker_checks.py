@@ -107,6 +107,8 @@ class WorkerChecks:
             return
         was_down = h.failures >= EJECT_AFTER_FAILURES or not h.available
         h.failures = 0
+        if was_down and self.pool.held(h) > 0:
+            return  # ejected for timeouts again: a passing /health is no sign of its engine
         if was_down:
             # a fresh count for a worker back in rotation; a passing /health alone does not
             # clear requests timing out: an engine whose server answers while its model

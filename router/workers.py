@@ -36,6 +36,9 @@ log = logging.getLogger("kvroute.workers")
 
 DEFAULT_BLOCK_SIZE = 16
 EJECT_AFTER_FAILURES = 2
+# a worker ejected for timeouts again and again is held out timeout_hold_s, doubling with
+# each ejection in a row to 2**HOLD_DOUBLINGS times it
+HOLD_DOUBLINGS = 5
 
 
 @dataclass
@@ -48,6 +51,15 @@ class Feed:
     ingest: WorkerIngest | None = None
     subscriber: EventSubscriber | None = None
     task: asyncio.Task[None] | None = None
+
+
+@dataclass(frozen=True)
+class Hold:
+    """Why and how long a worker ejected for timeouts stays out though /health answers."""
+
+    endpoint: str  # whose timeouts ejected it
+    since: float  # the pool's clock at the ejection
+    until: float
 
 
 @dataclass
@@ -69,6 +81,12 @@ class WorkerHandle:
     # the same, by data-parallel rank, where its engine counts them apart (vLLM's `engine`
     # label): one hung rank stays hung while its siblings generate
     rank_progressed_at: dict[int, float] = field(default_factory=dict)
+    # ejections for timeouts since the endpoint last answered a request, by endpoint
+    timeout_ejections: dict[str, int] = field(default_factory=dict)
+    # an engine hung behind a live API server passes every /health: from its second
+    # ejection for timeouts in a row it stays out until this time (the pool's clock) or
+    # until its engine generates a token, not just until /health answers
+    hold: Hold | None = None
     draining: bool = False  # taken out of rotation by an operator (admin API)
     last_error: str = ""
     problems: dict[str, str] = field(default_factory=dict)  # config problems found by probes
@@ -453,6 +471,8 @@ class WorkerPool:
         """Drop its subscriptions, findings and everything believed of its cache."""
         await self._stop_feeds(h)
         h.problems.clear()
+        h.hold = None  # a new engine process: the hung one is gone
+        h.timeout_ejections.clear()
         h.sources = None
         for f in h.feeds:
             f.ingest = f.subscriber = f.source = None
@@ -483,8 +503,32 @@ class WorkerPool:
         if h is None:
             return
         h.timeouts_by[endpoint] = h.timeouts_by.get(endpoint, 0) + 1
-        if h.timeouts >= self.config.eject_after_timeouts:
-            self.set_down(h, f"{h.timeouts} requests in a row timed out ({why})")
+        if h.timeouts < self.config.eject_after_timeouts:
+            return
+        why = f"{h.timeouts} requests in a row timed out ({why})"
+        if h.available:  # late timeouts of requests cut at the ejection count no further
+            n = h.timeout_ejections[endpoint] = h.timeout_ejections.get(endpoint, 0) + 1
+            if n > 1 and self.config.timeout_hold_s > 0:
+                hold_s = self.config.timeout_hold_s * 2 ** min(n - 2, HOLD_DOUBLINGS)
+                now = self.clock.now()
+                h.hold = Hold(endpoint, now, now + hold_s)
+                why += (
+                    f"; ejected for timeouts {n} times in a row with no answer between: held "
+                    f"out {hold_s:g} s (--timeout-hold), or until its engine generates a token"
+                )
+        self.set_down(h, why)
+
+    def held(self, h: WorkerHandle) -> float:
+        """Seconds the worker stays out though its /health answers (0: none): it was
+        ejected for timeouts again, and its engine generated no token since."""
+        hold = h.hold
+        if hold is None:
+            return 0.0
+        left = hold.until - self.clock.now()
+        if left <= 0 or self.progressed_since(hold.endpoint, hold.since):
+            h.hold = None
+            return 0.0
+        return left
 
     def timed_out(self, endpoint: str, since: float, why: str) -> None:
         """A request waited on the endpoint past its timeout. It counts toward ejecting the
@@ -513,6 +557,7 @@ class WorkerPool:
         h = self.handle_of(endpoint)
         if h is not None:
             h.timeouts_by.pop(endpoint, None)
+            h.timeout_ejections.pop(endpoint, None)
 
     def models_doc(self) -> dict[str, Any]:
         """The union of the workers' /v1/models cards, each name once."""

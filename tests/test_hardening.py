@@ -192,6 +192,37 @@ async def test_whole_answers_timing_out_on_an_engine_that_generates_nothing_ejec
         assert health["unhealthy_workers"] == [s.name(0)], health
 
 
+async def test_an_engine_ejected_for_timeouts_again_is_held_out_though_health_passes() -> None:
+    """An engine stuck behind a live API server passes every /health. Re-admitted at the
+    first (one ejection may be a passing stall), it is ejected again by its requests'
+    timeouts and then held out for --timeout-hold, not let back at the next health check
+    to cost another request its timeout every round."""
+    stuck = ("--ttft-base-ms", "60000")  # its first step takes a minute
+    calm = {"eject_after_timeouts": 1, "timeout_hold_s": 3.0, "health_check_interval_s": 0.2}
+    async with router(1, sim_args=stuck, request_timeout_s=1.0, **calm) as s:
+        (handle,) = s.app.pool.handles.values()
+        first = await s.client.post("/v1/completions", json=body(f"{DOC} stuck once"))
+        assert first.status_code == 504, first.text
+        assert not handle.available
+        for _ in range(50):  # the first ejection ends at the next passing /health
+            if handle.available:
+                break
+            await asyncio.sleep(0.1)
+        assert handle.available
+        again = await s.client.post("/v1/completions", json=body(f"{DOC} stuck again"))
+        assert again.status_code == 504, again.text
+        ejected = asyncio.get_running_loop().time()
+        await asyncio.sleep(1.5)  # seven passing health checks
+        assert not handle.available
+        (report,) = (await s.client.get("/health")).json()["workers"]
+        assert 0 < report["held_s"] <= 3.0, report
+        assert "--timeout-hold" in report["last_error"], report
+        while not handle.available:  # back at the hold's end
+            assert asyncio.get_running_loop().time() - ejected < 10
+            await asyncio.sleep(0.1)
+        assert asyncio.get_running_loop().time() - ejected >= 2.5
+
+
 async def test_an_embeddings_input_past_the_context_goes_to_the_engine_to_judge() -> None:
     """vLLM embeds inputs past max_model_len (chunked, --max-embed-len) or cuts them
     (truncate_prompt_tokens): the router must not refuse them with a completion's rule."""

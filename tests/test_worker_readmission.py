@@ -258,3 +258,38 @@ async def test_a_data_parallel_rank_is_judged_alive_by_its_own_tokens() -> None:
             assert not h.available
     finally:
         await worker.stop()
+
+
+async def test_a_hold_follows_timeout_ejections_with_no_answer_or_token_between() -> None:
+    """An engine hung behind a live API server passes every /health: from its second
+    ejection for timeouts in a row it is held out though /health answers. An answer after
+    a re-admission starts the count anew (that was a stall), and a token its engine
+    generates ends a hold early."""
+    worker = SimWorker(SIM)
+    await worker.start()
+    try:
+        async with pool_of(worker.url) as pool:
+            name = f"127.0.0.1:{worker.port}"
+            h = pool.handles[name]
+            await pool.checks.scrape()  # the engine's token count so far
+            eject_by_timeouts(pool, name)
+            await pool.checks.health()
+            assert h.available  # the first ejection ends at a passing /health
+            pool.note_answered(name)
+            eject_by_timeouts(pool, name)
+            await pool.checks.health()
+            assert h.available  # an answer came between: the first in a row again
+            eject_by_timeouts(pool, name)
+            await pool.checks.health()
+            assert not h.available  # the second in a row: held
+            assert 9 < pool.held(h) <= pool.config.timeout_hold_s
+            assert "--timeout-hold" in h.last_error
+            await pool.checks.scrape()
+            await pool.checks.health()
+            assert not h.available  # no token yet
+            await prompt(worker, DOC)
+            await pool.checks.scrape()  # its engine generated: not hung after all
+            await pool.checks.health()
+            assert h.available and pool.held(h) == 0
+    finally:
+        await worker.stop()

@@ -129,6 +129,9 @@ class Config:
     inter_chunk_timeout_s: float = 60.0  # between a stream's chunks
     health_timeout_s: float = 2.0  # a worker's /health probe
     eject_after_timeouts: int = 3  # consecutive request timeouts that eject a worker
+    # a worker ejected for timeouts again, with no answer since its last such ejection, is
+    # held out this long (doubling with each, to 32 times) however its /health answers
+    timeout_hold_s: float = 10.0
     header_timeout_s: float = 10.0  # a client's request head (slowloris)
     # an idle client connection is kept this long, which must exceed the idle timeout of
     # whatever reuses it (ingress-nginx and ALBs 60 s: the default covers them; Google
@@ -241,6 +244,7 @@ class Config:
         )
         _check(self.max_body_bytes > 0, "max_body_bytes", "must be a positive number of bytes")
         _check(self.eject_after_timeouts >= 1, "eject_after_timeouts", "must be >= 1")
+        _check(self.timeout_hold_s >= 0, "timeout_hold_s", "must be >= 0 seconds (0: no hold)")
         _check(self.warm_connections >= 0, "warm_connections", "must be >= 0 (0: off)")
         _check(self.log_format in ("text", "json"), "log_format", "use text or json")
         _check(
