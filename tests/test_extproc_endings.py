@@ -300,8 +300,10 @@ async def _warm_up(gw: Gateway) -> None:
     assert ticket.events[-1][0] == "finish" and ticket.events[-1][1][0] == 200
 
 
-async def _stream(url: str, body: dict[str, Any], *, cancel_after: float | None = None) -> None:
-    """POST and read the response; hang up after `cancel_after` seconds, or read it to the
+async def _stream(
+    url: str, body: dict[str, Any], *, hang_up_when: Callable[[], bool] | None = None
+) -> None:
+    """POST and read the response; hang up once `hang_up_when()` holds, or read it to the
     end (a response cut short raises in the client: ignored)."""
 
     async def read() -> None:
@@ -313,11 +315,19 @@ async def _stream(url: str, body: dict[str, Any], *, cancel_after: float | None 
                 pass
 
     task = asyncio.create_task(read())
-    if cancel_after is not None:
-        await asyncio.sleep(cancel_after)
+    if hang_up_when is not None:
+        await until(lambda: hang_up_when() or task.done())
+        assert not task.done(), "the response ended before the hang-up"
         task.cancel()
     with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
         await task
+
+
+def _headers_came(gw: Gateway) -> Callable[[], bool]:
+    """Whether the next request's response has reached the picker (its first_token): a
+    hang-up before it would be another case, concluded otherwise."""
+    n = len(gw.svc.tickets)
+    return lambda: len(gw.svc.tickets) > n and ("first_token", None) in gw.svc.tickets[n].events
 
 
 @pytest.mark.parametrize(
@@ -335,7 +345,7 @@ async def test_a_hang_up_after_the_headers_is_told_from_a_completed_response(
     async with gateway(body_mode=mode, response_body=response_body, engine_args=slow) as gw:
         await _warm_up(gw)
         body = {"model": MODEL, "prompt": "long " * 20, "max_tokens": 300, "stream": True}
-        await _stream(gw.envoy.url, body, cancel_after=0.5)
+        await _stream(gw.envoy.url, body, hang_up_when=_headers_came(gw))
         await until(lambda: gw.svc.inflight() == 0)
         ticket = gw.svc.tickets[-1]
         assert ("first_token", None) in ticket.events  # the headers had come
@@ -400,7 +410,7 @@ async def test_the_first_requests_wait_for_the_log_envoy_has_not_opened_yet() ->
     async with gateway(body_mode="full-duplex", response_body="skip", engine_args=slow) as gw:
         assert gw.picker is not None and gw.picker.endings.streams == 0
         body = {"model": MODEL, "prompt": "long " * 20, "max_tokens": 300, "stream": True}
-        await _stream(gw.envoy.url, body, cancel_after=0.5)
+        await _stream(gw.envoy.url, body, hang_up_when=_headers_came(gw))
         await until(lambda: gw.svc.inflight() == 0)
         ticket = gw.svc.tickets[-1]
         assert ticket.events[-1] == ("finish", (0, "client_disconnected")), ticket.events
@@ -416,7 +426,7 @@ async def test_without_the_access_log_every_request_is_still_concluded() -> None
         body_mode="buffered", response_body="skip", engine_args=slow, tweak=without_access_log
     ) as gw:
         body = {"model": MODEL, "prompt": "long " * 20, "max_tokens": 300, "stream": True}
-        await _stream(gw.envoy.url, body, cancel_after=0.5)
+        await _stream(gw.envoy.url, body, hang_up_when=_headers_came(gw))
         await until(lambda: gw.svc.inflight() == 0, timeout_s=1.5)  # no 2 s wait for a log
         assert gw.picker is not None and gw.picker.endings.streams == 0
         ticket = gw.svc.tickets[-1]

@@ -82,7 +82,9 @@ async def test_skipping_response_bodies_still_accounts_the_request(mode: str) ->
         for stream in (False, True):
             resp = await gw.complete("lean " * 30, stream=stream, max_tokens=4)
             await assert_served_as_picked(gw, resp)
-        await asyncio.sleep(0.2)  # the stream's close reaches the picker after the response
+        # the stream's close reaches the picker after the response
+        await until(lambda: gw.svc.inflight() == 0)
+        assert len(gw.svc.tickets) == 2
         for ticket in gw.svc.tickets:
             assert [e[0] for e in ticket.events] == ["start", "first_token", "finish"]
             assert ticket.events[-1][1] == (200, None)  # the status from the headers
@@ -446,7 +448,14 @@ async def test_a_client_hang_up_is_counted_as_one(
             task = asyncio.create_task(
                 _read_all(client.stream("POST", "/v1/completions", json=body))
             )
-            await asyncio.sleep(0.5)
+            # the picker has decided (and, streamed, the body has begun): hang up then
+            await until(
+                lambda: (
+                    bool(gw.svc.tickets)
+                    and (not stream or ("first_token", None) in gw.svc.tickets[0].events)
+                )
+            )
+            assert not task.done(), "the response ended before the hang-up"
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from pd_fakes import (
     FakeWorker,
+    PDSetup,
     closing_worker,
     decode_stream,
     decode_waits_for_client,
@@ -204,11 +205,22 @@ async def test_a_clients_own_kv_transfer_params_are_refused() -> None:
         assert s.prefill.seen == [] and s.decode.seen == []
 
 
+async def baselined(s: PDSetup) -> None:
+    """Waits for the verifier's first snapshot of the decode worker: a split that ends
+    before it exists is never proved, nor counted as a silent recompute."""
+    for _ in range(200):
+        ledger = s.app.pd.verifier.ledgers.get(s.names["decode"])
+        if ledger is not None and ledger.last is not None:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the verifier never read the decode worker's metrics")
+
+
 async def test_a_split_the_decode_worker_did_not_pull_degrades_health() -> None:
     async with pd_router(prefill_ok(), decode_stream(pull=False)) as s:
-        await asyncio.sleep(0.3)  # the verifier's baseline
+        await baselined(s)
         assert (await sse(s.client, CLIENT))[0] == 200
-        for _ in range(50):
+        for _ in range(200):
             health = await s.client.get("/health")
             if health.json()["pd"]["silent_recomputes"]:
                 break
@@ -221,9 +233,9 @@ async def test_a_split_the_decode_worker_did_not_pull_degrades_health() -> None:
 
 async def test_a_proved_split_keeps_health_ok() -> None:
     async with pd_router(prefill_ok(), decode_stream()) as s:
-        await asyncio.sleep(0.3)
+        await baselined(s)
         assert (await sse(s.client, CLIENT))[0] == 200
-        for _ in range(50):
+        for _ in range(200):
             doc = (await s.client.get("/health")).json()
             if doc["pd"]["verified_handoffs"]:
                 break

@@ -116,15 +116,45 @@ def truth(engine: Engine) -> dict[int, int]:
     return {c: len(t) // BS for c, t in engine.held.items()}
 
 
+PROBE = [b"kvroute-test-probe"]  # one frame: no publisher's message looks like it
+
+
+class ProbedSubscriber(EventSubscriber):
+    """The router's subscriber, but the test's probes stop here, counted: they are no part
+    of the stream (its ingest and counters never see them)."""
+
+    probes = 0
+
+    async def _handle(self, frames: list[bytes]) -> None:
+        if frames == PROBE:
+            self.probes += 1
+            return
+        await super()._handle(frames)
+
+
+async def heard(pub: RawPublisher, sub: ProbedSubscriber) -> None:
+    """Returns once `pub` delivers to `sub`. A PUB socket drops what it sends before the
+    subscription has reached it (ZMQ's slow joiner), and nothing on either side says when
+    that is: the TCP connection and even the handshake come before the subscription. So
+    probe until one arrives; the ones after it arrive too, in order, before what the test
+    sends next."""
+    before = sub.probes
+    deadline = time.monotonic() + 10
+    while sub.probes == before:
+        assert time.monotonic() < deadline, "the subscription never reached the publisher"
+        await pub.send_raw(*PROBE)
+        await asyncio.sleep(0.02)
+
+
 @contextlib.asynccontextmanager
 async def subscribed(
-    pub: EventPublisher, replay: bool = True
-) -> AsyncIterator[tuple[PrefixIndex, WorkerIngest, EventSubscriber]]:
+    pub: RawPublisher, replay: bool = True
+) -> AsyncIterator[tuple[PrefixIndex, WorkerIngest, ProbedSubscriber]]:
     index = PrefixIndex()
     index.add_worker("w")
     ingest = WorkerIngest("w", index, decode_batch, FakeClock())
     assert pub.endpoint is not None
-    sub = EventSubscriber(
+    sub = ProbedSubscriber(
         ingest,
         pub.endpoint,
         replay_endpoint=pub.replay_endpoint if replay else None,
@@ -133,7 +163,7 @@ async def subscribed(
     task = asyncio.create_task(sub.run())
     try:
         await wait_until(lambda: sub.status.connected)
-        await asyncio.sleep(0.2)  # let the subscription itself reach the publisher
+        await heard(pub, sub)
         yield index, ingest, sub
     finally:
         task.cancel()
@@ -298,7 +328,7 @@ async def test_engine_restart_clears_the_worker() -> None:
         pub = await started(drop=set(), endpoint=endpoint, replay=replay)  # ...and comes back
         engine = Engine(pub)
         await wait_until(lambda: sub.status.connects >= 2, timeout=10)
-        await asyncio.sleep(0.2)
+        await heard(pub, sub)  # the new engine's batches arrive live, none lost
         await engine.store(4)  # seq 0 again, cache empty
         await engine.store(5)
         await wait_until(lambda: ingest.counters.restarts == 1 and ingest.tracker.last_applied == 1)
