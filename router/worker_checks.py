@@ -91,6 +91,7 @@ class WorkerChecks:
     async def _check_one(self, h: WorkerHandle) -> None:
         from router.workers import EJECT_AFTER_FAILURES
 
+        ejections = h.ejections
         try:
             resp = await self.pool.client.get(
                 f"{h.url}/health", headers=h.auth, timeout=self.pool.config.health_timeout_s
@@ -125,6 +126,8 @@ class WorkerChecks:
             await self.pool.ask_again(h)
         else:
             await self.refresh_models(h, timeout=self.pool.config.health_timeout_s)
+        if h.ejections != ejections:
+            return  # ejected while this check ran: its answer predates the fault
         if not h.available:
             log.warning("worker %s is healthy again: re-admitted", h.name)
         h.set_available(True)

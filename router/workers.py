@@ -88,6 +88,8 @@ class WorkerHandle:
     # until its engine generates a token, not just until /health answers
     hold: Hold | None = None
     draining: bool = False  # taken out of rotation by an operator (admin API)
+    ejections: int = 0  # times taken out of rotation by a fault (a health check in flight
+    # then must not put it back on an answer that came before)
     last_error: str = ""
     problems: dict[str, str] = field(default_factory=dict)  # config problems found by probes
     discovered: bool = False
@@ -493,6 +495,7 @@ class WorkerPool:
         if not h.available:
             return
         log.error("worker %s ejected: %s", h.name, why)
+        h.ejections += 1
         h.set_available(False)
         for hook in self.on_down:
             hook(h, why)

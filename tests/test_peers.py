@@ -29,7 +29,6 @@ from router.core.fleet import APPROX, EVENTS, FleetState, WorkerState
 from router.core.load import LoadTracker, PeerLoad
 from router.peers import (
     CATCH_UP_S,
-    HEARTBEAT_S,
     LINK_WAIT_S,
     SILENT_S,
     WITHDRAWALS,
@@ -336,7 +335,9 @@ def test_a_replicas_own_reports_are_not_counted_again() -> None:
     assert fleet.load.view("w").requests == 1 and link.heard == {}
 
 
-async def test_two_links_over_zmq() -> None:
+async def test_two_links_over_zmq(monkeypatch: pytest.MonkeyPatch) -> None:
+    # no heartbeat within the test: what arrives came at once, not with the next one
+    monkeypatch.setattr(peers, "HEARTBEAT_S", 60.0)
     a_fleet, b_fleet = fleet_of(w=EVENTS), fleet_of(w=EVENTS)
     a_pub, b_pub = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     a = PlacementLink(a_fleet, a_pub, [b_pub])
@@ -349,20 +350,24 @@ async def test_two_links_over_zmq() -> None:
         assert a.counts["applied"] == 0  # nothing came back: b sent nothing
         # a's in-flight request counts on b at once (not at the next heartbeat), and its end
         ticket = a_fleet.load.start("w", uncached_tokens=500, blocks=4)
-        await until(lambda: b_fleet.load.view("w").prefill_tokens == 500, within_s=0.5)
+        await until(lambda: b_fleet.load.view("w").prefill_tokens == 500, within_s=5)
         assert b_fleet.load.view("w").requests == 1 and a_fleet.load.view("w").requests == 1
         a_fleet.load.finish(ticket)
-        await until(lambda: b_fleet.load.view("w").requests == 0, within_s=0.5)
+        await until(lambda: b_fleet.load.view("w").requests == 0, within_s=5)
     finally:
         await a.stop()
         await b.stop()
 
 
-async def test_fresh_replicas_hear_each_other_before_any_request() -> None:
+async def test_fresh_replicas_hear_each_other_before_any_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Two replicas started 0.2 s apart, no traffic: each hears the other well before the
     next heartbeat (a PUB drops what it sends before a subscriber's connection is up, so
     with heartbeats alone they first met when the first requests moved their load), and
     each is linked; until then the later one is not."""
+    # no heartbeat after the first: what each hears came with the other's greeting
+    monkeypatch.setattr(peers, "HEARTBEAT_S", 60.0)
     a_fleet, b_fleet = fleet_of(w=EVENTS), fleet_of(w=EVENTS)
     a_pub, b_pub = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
     a = PlacementLink(a_fleet, a_pub, [b_pub])
@@ -373,7 +378,7 @@ async def test_fresh_replicas_hear_each_other_before_any_request() -> None:
         assert not a.heard and not a.linked() and a.expected() == 1
         await b.start()
         assert not b.linked()
-        await until(lambda: bool(a.heard and b.heard), within_s=HEARTBEAT_S / 2)
+        await until(lambda: bool(a.heard and b.heard), within_s=5)
         assert a.linked() and b.linked()
     finally:
         await a.stop()

@@ -112,7 +112,8 @@ def test_load_is_counted_once_and_metrics_are_summed(fleet: FleetProcess) -> Non
                 )
                 for i in range(streams)
             ]
-            time.sleep(1.3)  # a scrape of the engines since: nothing counted twice
+            until(lambda: inflight_requests(r.url) == streams, 10, "all six in flight")
+            time.sleep(1.1)  # a scrape of the engines since: nothing counted twice
             counted = []
             for _ in range(8):
                 probe = {"model": "kvroute-sim", "prompt": "where would this go?"}
@@ -475,7 +476,15 @@ def test_kv_event_counters_are_one_count_whichever_process_answers(fleet: FleetP
             assert complete(r.url, f"kv counters {i}: " + "words for the events " * 8).is_success
         stored = 'kvroute_kv_events_total{type="BlockStored"'
         until(lambda: any(k.startswith(stored) for k in kv_counters(r.url)), 10, "events counted")
-        time.sleep(1.2)  # the first process's file has caught up with what it applied
+
+        def settled() -> bool:
+            # the first process mirrors its counters into its file every MIRROR_EVERY_S
+            # at most, and idle only at the next heartbeat: two scrapes further apart agree
+            before = kv_counters(r.url)
+            time.sleep(2.0)
+            return kv_counters(r.url) == before
+
+        until(settled, 20, "the first process's file caught up with what it applied")
         scrapes = [kv_counters(r.url) for _ in range(12)]
         assert all(s == scrapes[0] for s in scrapes), scrapes
         first = child_by_index(r)[0]
@@ -491,8 +500,9 @@ def test_kv_event_counters_are_one_count_whichever_process_answers(fleet: FleetP
         for _ in range(20):
             scrapes.append(kv_counters(r.url))
             time.sleep(0.05)
+        until(lambda: kv_counters(r.url) != scrapes[0], 10, "the new first process counts on")
+        scrapes.append(kv_counters(r.url))
         never_back(scrapes)
-        assert scrapes[-1] != scrapes[0]  # the new first process counts on
 
 
 def prefill_tokens(url: str) -> float:

@@ -293,3 +293,37 @@ async def test_a_hold_follows_timeout_ejections_with_no_answer_or_token_between(
             assert h.available and pool.held(h) == 0
     finally:
         await worker.stop()
+
+
+async def test_a_health_check_under_way_at_an_ejection_does_not_undo_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker ejected while a health check awaits its answers stays out: the check's
+    answers came before the fault (else a hold, or any ejection, lasts until whichever
+    check happened to be in flight)."""
+    worker = SimWorker(SIM)
+    await worker.start()
+    try:
+        async with pool_of(worker.url) as pool:
+            name = f"127.0.0.1:{worker.port}"
+            h = pool.handles[name]
+            await pool.checks.health()
+            asking, go_on = asyncio.Event(), asyncio.Event()
+            refresh = pool.checks.refresh_models
+
+            async def slow_refresh(*args: object, **kw: object) -> None:
+                asking.set()
+                await go_on.wait()
+                await refresh(*args, **kw)  # type: ignore[arg-type]
+
+            monkeypatch.setattr(pool.checks, "refresh_models", slow_refresh)
+            check = asyncio.create_task(pool.checks.health())
+            await asyncio.wait_for(asking.wait(), 5)
+            eject_by_timeouts(pool, name)  # while the check waits on the worker
+            go_on.set()
+            await check
+            assert not h.available
+            await pool.checks.health()  # a check begun after the ejection re-admits it
+            assert h.available
+    finally:
+        await worker.stop()
