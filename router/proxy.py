@@ -309,7 +309,8 @@ class ProxyDoor:
             # a worker that sends a stream's head and then hangs is hung all the same
             since = self.pool.clock.now() - result.silent_s
             self.pool.timed_out(ticket.worker, since, "no chunk within the timeout")
-        elif result.broken is None:
+        elif result.broken is None and result.status < 400:
+            # a refusal proves nothing: vLLM's API server validates without its engine
             self.pool.note_answered(ticket.worker)
         if result.broken is not None:
             self.metrics.child(self.metrics.stream_errors, ticket.worker, result.broken).inc()

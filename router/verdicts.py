@@ -4,6 +4,7 @@ KV-aware routing really working, and if not, why and what fixes it."""
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 
 from indexer.health import EventHealth
@@ -31,8 +32,9 @@ def _report(pool: WorkerPool, h: WorkerHandle, f: Feed) -> dict[str, Any]:
     if not state.available:
         # first: its events' verdict ("events flowing") is beside the point while it is out
         back = (
-            f"it is re-admitted in {held:.0f} s or once its engine generates a token, "
-            "though its /health answers"
+            f"it was ejected for timeouts again, so --timeout-hold keeps it out another "
+            f"{math.ceil(held)} s, or until its engine generates a token, though /health "
+            "answers"
             if held
             else "it is re-admitted once its /health answers"
         )

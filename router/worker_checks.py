@@ -32,10 +32,17 @@ def _grew(before: float | None, now: float | None) -> bool:
 
 
 def restarted(before: EngineMetrics | None, now: EngineMetrics) -> bool:
-    """A counter that only grows went down: a new engine process."""
-    if before is None or before.prefix_queries is None or now.prefix_queries is None:
+    """A counter that only grows went down: a new engine process. Generated tokens too, as
+    vLLM counts no prefix-cache queries with prefix caching off."""
+    if before is None:
         return False
-    return now.prefix_queries < before.prefix_queries
+    return any(
+        was is not None and is_ is not None and is_ < was
+        for was, is_ in (
+            (before.prefix_queries, now.prefix_queries),
+            (before.generation_tokens, now.generation_tokens),
+        )
+    )
 
 
 class WorkerChecks:
@@ -110,11 +117,6 @@ class WorkerChecks:
         h.failures = 0
         if was_down and self.pool.held(h) > 0:
             return  # ejected for timeouts again: a passing /health is no sign of its engine
-        if was_down:
-            # a fresh count for a worker back in rotation; a passing /health alone does not
-            # clear requests timing out: an engine whose server answers while its model
-            # hangs passes every health check
-            h.timeouts_by.clear()
         if not h.discovered:
             await self.pool.discover_once(h)
         elif was_down:
@@ -128,6 +130,11 @@ class WorkerChecks:
             await self.refresh_models(h, timeout=self.pool.config.health_timeout_s)
         if h.ejections != ejections:
             return  # ejected while this check ran: its answer predates the fault
+        if was_down:
+            # a fresh count for a worker back in rotation (late timeouts of requests cut at
+            # its ejection included); a passing /health alone does not clear requests timing
+            # out: an engine whose server answers while its model hangs passes every one
+            h.timeouts_by.clear()
         if not h.available:
             log.warning("worker %s is healthy again: re-admitted", h.name)
         h.set_available(True)

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from engines.base import EngineMetrics
 from engines.sim.config import SimConfig
 from engines.sim.dp import sim_worker
 from engines.sim.worker import SimWorker
@@ -23,6 +24,7 @@ from router.core.config import Config, WorkerConfig
 from router.core.fleet import FleetState
 from router.tokenize import PACKAGED_TOKENIZER
 from router.tokenizers import TokenizerSet
+from router.worker_checks import restarted
 from router.workers import WorkerPool
 
 pytestmark = pytest.mark.timeout(60)
@@ -282,7 +284,7 @@ async def test_a_hold_follows_timeout_ejections_with_no_answer_or_token_between(
             eject_by_timeouts(pool, name)
             await pool.checks.health()
             assert not h.available  # the second in a row: held
-            assert 9 < pool.held(h) <= pool.config.timeout_hold_s
+            assert 8 < pool.held(h) <= pool.config.timeout_hold_s
             assert "--timeout-hold" in h.last_error
             await pool.checks.scrape()
             await pool.checks.health()
@@ -327,3 +329,37 @@ async def test_a_health_check_under_way_at_an_ejection_does_not_undo_it(
             assert h.available
     finally:
         await worker.stop()
+
+
+async def test_a_whole_engine_hung_over_its_ranks_is_held_at_its_second_ejection() -> None:
+    """A hung engine's timeouts land on whichever data-parallel rank each request went to:
+    every rank that timed out with no answer since counts the ejection, so the second is
+    a hold whichever rank tipped each (counted by the tipping rank alone, K ranks could
+    cost K+1 ejections, each a round of requests timing out)."""
+    worker = sim_worker(SIM.replace(data_parallel_size=2))
+    await worker.start()
+    try:
+        async with pool_of(worker.url) as pool:
+            name = f"127.0.0.1:{worker.port}"
+            dp0, dp1 = f"{name}#dp0", f"{name}#dp1"
+            h = pool.handles[name]
+            eject_by_timeouts(pool, dp0)
+            await pool.checks.health()
+            assert h.available and pool.held(h) == 0
+            pool.note_timeout(dp0, "no response head in 30 s")
+            eject_by_timeouts(pool, dp1)  # dp1 tips it; dp0 timed out too, unanswered
+            assert not h.available and pool.held(h) > 0
+            await pool.checks.health()
+            assert not h.available
+    finally:
+        await worker.stop()
+
+
+def test_generated_tokens_going_back_are_a_restart() -> None:
+    """With prefix caching off vLLM counts no prefix-cache queries: its generated-token
+    count going back still shows a new engine process (a held worker is let go for it)."""
+    before = EngineMetrics(prefix_queries=0.0, generation_tokens=5_000.0)
+    assert restarted(before, EngineMetrics(prefix_queries=0.0, generation_tokens=12.0))
+    assert not restarted(before, EngineMetrics(prefix_queries=0.0, generation_tokens=5_001.0))
+    assert not restarted(before, EngineMetrics(prefix_queries=None, generation_tokens=None))
+    assert restarted(EngineMetrics(prefix_queries=9.0), EngineMetrics(prefix_queries=2.0))
