@@ -324,15 +324,20 @@ async def test_the_real_decision_service_routes_a_repeat_to_its_cache(mode: str)
     worker that cached it, the engine reports the hit, and the load is released."""
     async with gateway(body_mode=mode, make_service=real_service) as gw:
         prompts = [f"{i} " + "shared context words " * 120 for i in range(4)]
-        first = [await assert_served_as_picked(gw, await gw.complete(p)) for p in prompts]
-        await asyncio.sleep(0.5)  # the workers' KV events reach the index
+        answers = [await gw.complete(p) for p in prompts]
+        first = [await assert_served_as_picked(gw, a) for a in answers]
+        # the workers' KV events reach the index: every full block of every prompt
+        fleet, blocks = gw.svc.fleet, Counter[str]()
+        for a in answers:
+            name = a.headers["x-kvroute-worker"]
+            blocks[name] += a.json()["usage"]["prompt_tokens"] // fleet.workers[name].block_size
+        await until(lambda: all(fleet.index.entries_of(n) >= k for n, k in blocks.items()))
         for p, where in zip(prompts, first, strict=True):
             again = await gw.complete(p)
             assert await assert_served_as_picked(gw, again) == where
             assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-        await asyncio.sleep(0.2)
-        load = gw.svc.fleet.load
-        assert all(load._local[w].requests == 0 for w in load._local)  # every ticket finished
+        load = fleet.load
+        await until(lambda: all(load._local[w].requests == 0 for w in load._local))  # all ended
 
 
 def _by_hostname(addresses: list[str]) -> contextlib.AbstractAsyncContextManager[Any]:
@@ -386,8 +391,7 @@ async def test_data_parallel_ranks_are_asked_for_by_header(mode: str) -> None:
             assert ranks[resp.json()["system_fingerprint"]] == endpoints[endpoint].rank
             picked.append(endpoint)
         assert {endpoints[e].rank for e in picked} == {0, 1}
-        await asyncio.sleep(0.2)
-        assert _finished_on(svc) == Counter(picked)
+        await until(lambda: _finished_on(svc) == Counter(picked))  # each ended where it ran
 
 
 @pytest.mark.parametrize("mode", MODES)
