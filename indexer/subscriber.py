@@ -147,7 +147,10 @@ class ReplayClient:
             frames: list[tuple[int, bytes]] = []
             while True:
                 try:
-                    reply = await asyncio.wait_for(sock.recv_multipart(), self.timeout_s)
+                    # not wait_for: on Python 3.11 it swallows a cancellation that comes as
+                    # the reply does, and the subscriber's stop then waited forever
+                    async with asyncio.timeout(self.timeout_s):
+                        reply = await sock.recv_multipart()
                 except TimeoutError:
                     self.close()  # late replies must not leak into the next request
                     return frames, False

@@ -307,16 +307,16 @@ class UpstreamPool:
         if tls and self._tls is None:
             self._tls = ssl.create_default_context()
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(
+            # not wait_for: on Python 3.11 it swallows a cancellation that comes as the
+            # connection does (a client's hang-up would go unseen)
+            async with asyncio.timeout(self.connect_timeout):
+                _, conn = await loop.create_connection(
                     _Conn,
                     host,
                     port,
                     ssl=self._tls if tls else None,
                     server_hostname=host if tls else None,
-                ),
-                self.connect_timeout,
-            )
+                )
         except (OSError, TimeoutError) as exc:
             raise UpstreamConnectError(f"connect to {host}:{port}: {exc or 'timed out'}") from None
         return conn

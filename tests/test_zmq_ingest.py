@@ -441,3 +441,32 @@ async def test_replay_client_reads_both_reply_shapes(shape: int, topic: bytes | 
 
     async with replay_server(serve, timeout_s=2.0) as client:
         assert await client.fetch(8) == batches[1:]
+
+
+async def test_a_replay_cancelled_as_its_reply_arrives_is_cancelled() -> None:
+    """A subscriber stopped (a worker removed, the router shutting down) while a replay
+    reply arrives: the fetch must end cancelled. asyncio.wait_for on Python 3.11 returned
+    the reply instead, the fetch waited on for the next one, and the stop never ended."""
+    loop = asyncio.get_running_loop()
+    replies: list[asyncio.Future[list[bytes]]] = []
+
+    class Socket:  # the replay socket, its replies handed out by the test
+        async def send_multipart(self, frames: list[bytes]) -> None:
+            pass
+
+        def recv_multipart(self) -> asyncio.Future[list[bytes]]:
+            replies.append(loop.create_future())
+            return replies[-1]
+
+        def close(self, linger: int = 0) -> None:
+            pass
+
+    client = ReplayClient(zmq.asyncio.Context.instance(), "tcp://127.0.0.1:1", timeout_s=30)
+    client._sock = Socket()  # type: ignore[assignment]
+    fetch = asyncio.create_task(client.fetch(0))
+    while not replies:
+        await asyncio.sleep(0)
+    replies[0].set_result([b"", seq_bytes(0), b"a batch"])
+    fetch.cancel()  # in the same turn of the loop as the reply
+    done, _ = await asyncio.wait({fetch}, timeout=2)
+    assert fetch in done and fetch.cancelled(), replies

@@ -101,7 +101,8 @@ class Verifier:
         while True:
             wait = None if next_sweep is None else max(0.0, next_sweep - loop.time())
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), wait)
+                async with asyncio.timeout(wait):  # wait_for could swallow a cancellation
+                    await self._wake.wait()
             self._wake.clear()
             await asyncio.sleep(self.interval_s)  # let the metrics catch up, batch splits
             swept = next_sweep is not None and loop.time() >= next_sweep
