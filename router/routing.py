@@ -76,6 +76,8 @@ class Ticket:
     started: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     done: bool = False
+    # the pick's belief of the endpoint's cache was recorded (a handoff's only at its pull)
+    believed: bool = True
 
 
 def _too_long(limit: int, tokens: int, qualifier: str) -> BadRequest:
@@ -348,18 +350,36 @@ class DecisionService:
 
     # ---- the request's life ----------------------------------------------------------
 
-    def start(self, decision: Decision, worker: str, profile: str | None = None) -> Ticket:
-        """The door sends the request to `worker` (one of `decision.ranked`)."""
+    def start(
+        self, decision: Decision, worker: str, profile: str | None = None, handoff: bool = False
+    ) -> Ticket:
+        """The door sends the request to `worker` (one of `decision.ranked`). `handoff`:
+        the decode worker of a split, which holds the prompt only once it pulled the KV
+        (`pulled`); until then it is counted for its decode step alone."""
         state = self.fleet.workers[worker]
         extra = output_blocks(decision.request, state.block_size, state.max_model_len)
         prof = self.profiles[profile or decision.profile]
-        load = self.picker.commit(prof, decision, worker, extra_blocks=extra)
+        load = self.picker.commit(prof, decision, worker, extra_blocks=extra, handoff=handoff)
         self.metrics.child(self.metrics.inflight, worker).inc()
+        if not handoff:
+            self._tell_sent(worker, decision)
+        return Ticket(decision, worker, load, believed=not handoff)
+
+    def pulled(self, ticket: Ticket) -> None:
+        """A split's decode worker answered with its first token: it pulled the prompt's KV
+        and holds its blocks now, as a worker that prefilled it would."""
+        if ticket.believed or ticket.done or ticket.worker not in self.fleet.workers:
+            return
+        ticket.believed = True
+        expects, _ = self.picker.remember(ticket.decision, ticket.worker)
+        ticket.load.expects_events = expects
+        self._tell_sent(ticket.worker, ticket.decision)
+
+    def _tell_sent(self, worker: str, decision: Decision) -> None:
         if self.on_sent:
-            hashes = decision.hashes.get(state.block_size, ())
+            hashes = decision.hashes.get(self.fleet.workers[worker].block_size, ())
             for tell in self.on_sent:
                 tell(worker, hashes, decision.new_prefix)
-        return Ticket(decision, worker, load)
 
     def reassign(self, ticket: Ticket, worker: str) -> Ticket:
         """The request was served by another endpoint than the one started (a gateway's
@@ -380,8 +400,8 @@ class DecisionService:
         that endpoint's cache goes, and its event health expects no blocks for it."""
         self.picker.withdraw(ticket.load)
         w = self.fleet.workers.get(ticket.worker)
-        if w is None or not w.caching:
-            return
+        if w is None or not w.caching or not ticket.believed:
+            return  # a handoff before its pull: nothing was believed there to take back
         hashes = ticket.decision.hashes.get(w.block_size, ())
         believed = self.fleet.predictions if w.mode == EVENTS else self.fleet.approx
         believed.withdraw(w.name, hashes)

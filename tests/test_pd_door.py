@@ -5,6 +5,7 @@ counted). Real NIXL handoffs between simulated workers: test_pd_router.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from types import SimpleNamespace
@@ -107,6 +108,27 @@ async def test_a_failed_prefill_leg_falls_back_to_a_local_prefill(prefill: Any, 
         assert "kv_transfer_params" not in d.body  # malformed params never reach vLLM
         assert d.body == CLIENT
         assert await s.metric(f'kvroute_pd_local_fallbacks_total{{cause="{cause}"}}') == 1
+
+
+async def test_a_split_counts_on_its_decode_worker_no_prefill_and_no_cache_until_it_pulls() -> None:
+    """While its prefill leg runs, a split is the decode worker's request, but neither its
+    prefill (the prefill worker computes it) nor its prefix (the KV is not there yet): a
+    request on the same prefix decided meanwhile must not see it cached there, nor the
+    decode worker's queue grown by it."""
+    async with pd_router(prefill_hangs(), decode_stream(), first_byte_timeout_s=30) as s:
+        fleet, decode = s.app.fleet, s.names["decode"]
+        leg = asyncio.create_task(sse(s.client, CLIENT))
+        while not s.prefill.seen:
+            await asyncio.sleep(0.01)
+        load = fleet.load.view(decode)
+        assert load.requests == 1 and load.prefill_tokens == 0, load
+        probe = {"model": "m", "prompt": PROMPT, "max_tokens": 7}
+        route = (await s.client.post("/debug/route", json=probe)).json()
+        overlap = {w["worker"]: w["overlap_blocks"] for w in route["workers"]}
+        assert overlap[decode] == 0, route
+        leg.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await leg
 
 
 async def test_a_hung_prefill_leg_times_out_into_a_local_prefill() -> None:

@@ -96,6 +96,31 @@ def test_long_prompts_split_short_ones_stay_local_and_every_pull_is_proved(
         )
 
 
+def test_a_burst_on_one_new_prefix_splits_and_the_decode_worker_computes_none(
+    fleet: PDFleetProcess,
+) -> None:
+    """Six requests on one new long prefix at once: the decode worker holds none of it
+    until the first pull, so each is split, not prefilled there from scratch as if cached
+    there (which then read as silent recomputes in /health: the pulls found the blocks
+    already computed)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    d = fleet.decode_urls[0]
+    with router(fleet, "--pd-threshold", "256", "--no-pd-probe") as r:
+        shared = long_prompt("burst")
+        before = snap(d)
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda i: complete(r.url, f"{shared} question {i}"), range(6)))
+        assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+        decided = [a.headers["x-kvroute-pd"] for a in answers]
+        assert all(h.startswith("split prefill=") for h in decided), decided
+        moved = snap(d) - before
+        assert moved.local_compute < 100, moved  # each prompt's last block at most
+        assert wait_for(lambda: pd_health(r)["pd"]["verified_handoffs"] >= 6)
+        health = pd_health(r)
+        assert health["status"] == "ok" and health["pd"]["silent_recomputes"] == 0, health
+
+
 def test_a_planted_silent_recompute_is_caught_by_health_and_router_check(
     fleet: PDFleetProcess,
 ) -> None:

@@ -60,10 +60,36 @@ class Picker:
         )
 
     def commit(
-        self, profile: Profile, decision: Decision, worker: str, extra_blocks: int = 0
+        self,
+        profile: Profile,
+        decision: Decision,
+        worker: str,
+        extra_blocks: int = 0,
+        handoff: bool = False,
     ) -> Ticket:
         """The door is sending the request to `worker`: remember where the prefix now lives
-        and count the load. `extra_blocks`: expected generated-token blocks."""
+        and count the load. `extra_blocks`: expected generated-token blocks. `handoff`: the
+        prompt's KV reaches `worker` by a pull once another worker prefilled it, so it is
+        counted as the decode step alone, and nothing is believed of its cache until the
+        pull (`remember`): believed at once, a request on the same prefix decided during
+        the prefill leg would be prefilled there from scratch, as if cached."""
+        state = self.fleet.workers[worker]
+        profile.state.turns += 1
+        blocks = math.ceil(decision.prompt_tokens / state.block_size) + extra_blocks
+        if handoff:
+            return self.fleet.load.start(worker, 0, blocks, False)
+        expects, rides = self.remember(decision, worker)
+        s = decision.score_of(worker)
+        uncached = uncached_tokens(decision.prompt_tokens, s.overlap_blocks, state.block_size)
+        ticket = self.fleet.load.start(worker, uncached, blocks, rides)
+        ticket.expects_events = expects
+        return ticket
+
+    def remember(self, decision: Decision, worker: str) -> tuple[bool, bool]:
+        """`worker` holds the prompt's prefix from now: its predicted (or approximate)
+        entries, its event health's wait for new blocks, a new prefix placed there. Returns
+        whether its events should show new blocks, and whether part of the overlap credited
+        was only predicted (a request sent a moment ago, perhaps still prefilling it)."""
         state = self.fleet.workers[worker]
         s = decision.score_of(worker)
         hashes = decision.hashes.get(state.block_size, [])
@@ -82,14 +108,9 @@ class Picker:
                 state.health.note_request(expects)
         else:
             self.fleet.approx.record(worker, hashes)
-        profile.state.turns += 1
         if decision.new_prefix:
             self.fleet.note_new_prefix(worker, len(hashes))
-        uncached = uncached_tokens(decision.prompt_tokens, s.overlap_blocks, state.block_size)
-        blocks = math.ceil(decision.prompt_tokens / state.block_size) + extra_blocks
-        ticket = self.fleet.load.start(worker, uncached, blocks, rides)
-        ticket.expects_events = expects
-        return ticket
+        return expects, rides
 
     def score_late(self, decision: Decision, worker: str) -> WorkerScore:
         """The score of an endpoint the decision never saw (it joined the fleet since, and a

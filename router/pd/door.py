@@ -254,8 +254,9 @@ class PDDoor:
             return
         # the decode worker's load is counted from the decision, not from the decode leg:
         # concurrent splits must see each other there (busy bounds, shedding, the load
-        # score), or a burst of them all lands on one decode worker during their prefills
-        ticket = self.svc.start(r.decision, plan.decode)
+        # score), or a burst of them all lands on one decode worker during their prefills.
+        # Its decode step only, and its cache from the pull on (DecisionService.pulled)
+        ticket = self.svc.start(r.decision, plan.decode, handoff=True)
         try:
             answer = await self._prefill(r, plan, pdec, doc)
         except BaseException:
@@ -357,6 +358,7 @@ class PDDoor:
 
         def first_byte() -> None:
             self.svc.first_token(ticket)
+            self.svc.pulled(ticket)
             r.first_byte = time.perf_counter()
 
         self.verifier.started(worker)
