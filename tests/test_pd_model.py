@@ -121,11 +121,20 @@ def test_response_params_reads_params_and_cached_tokens() -> None:
         ({"prompt": "x", "echo": "false"}, None),  # vLLM reads "false" as false
         ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
         ({"prompt": "x", "use_beam_search": True}, "beam search"),
+        # what the engine refuses stays with the decode worker, which answers its 400
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"prompt": "x", "stream": True, "stream_options": {"include_usage": True}}, None),
+        ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+        ({"prompt": "x", "max_completion_tokens": 4, "min_tokens": 5}, "min_tokens"),
+        ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
+        ({"prompt": "x", "max_tokens": 4, "min_tokens": 4}, None),
+        ({"prompt": "x", "min_tokens": 9}, None),  # no max: the context bounds it
     ],
     ids=[
         *("plain", "n", "n-text", "n-text-1", "best-of", "batch", "token-ids", "echo"),
         "echo-text-false",
-        *("prompt-logprobs", "beam"),
+        *("prompt-logprobs", "beam", "stream-options-unstreamed", "stream-options-streamed"),
+        *("min-over-max", "min-over-max-completion", "min-negative", "min-is-max", "min-no-max"),
     ],
 )
 def test_not_splittable(doc: dict[str, Any], why: str | None) -> None:

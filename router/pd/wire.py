@@ -53,6 +53,14 @@ def not_splittable(doc: Mapping[str, Any]) -> str | None:
         return "echo returns the prompt's own outputs"
     if doc.get("prompt_logprobs") is not None:
         return "prompt_logprobs are computed by the prefill"
+    # the prefill leg drops these, so the prefill worker would take a request the engine
+    # refuses: left to the decode worker, its 400 costs no prefill and no KV held for a pull
+    if doc.get("stream_options") is not None and not _set(doc.get("stream")):
+        return "stream_options without stream (the engine refuses it)"
+    least = _int(doc.get("min_tokens"), 0)
+    most = doc.get("max_completion_tokens", doc.get("max_tokens"))
+    if least < 0 or (most is not None and least > _int(most, least)):
+        return "min_tokens outside 0..max_tokens (the engine refuses it)"
     return None
 
 
