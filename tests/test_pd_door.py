@@ -411,6 +411,29 @@ async def test_a_decode_worker_removed_while_the_prefill_side_is_decided_loses_n
             assert len(d2.seen) == 1 and not s.decode.seen
 
 
+async def test_a_decode_worker_ejected_during_the_prefill_leg_is_sent_no_decode_leg() -> None:
+    """The decode worker was ejected (hung, unreachable) while the prefill ran: the decode
+    leg goes nowhere near it, where it would wait out its timeouts; the request is decided
+    again (here no decode worker is left: an error at once), the prefill counted orphaned."""
+    answer, ejected = prefill_ok(), []
+
+    async def eject_then_answer(w: FakeWorker, seen: Any, send: Any) -> None:
+        app, decode = ejected[0]
+        app.pool.eject(decode, "connect failed: ConnectError")
+        await answer(w, seen, send)
+
+    calm = {"health_check_interval_s": 30.0, "first_byte_timeout_s": 20}
+    async with pd_router(eject_then_answer, decode_stream(), **calm) as s:
+        ejected.append((s.app, s.names["decode"]))
+        started = asyncio.get_running_loop().time()
+        status, text, _ = await sse(s.client, CLIENT)
+        assert status in (502, 503) and "t2" not in text, text
+        assert asyncio.get_running_loop().time() - started < 5
+        assert s.decode.seen == []
+        assert await s.metric('kvroute_pd_local_fallbacks_total{cause="decode_unavailable"}') == 1
+        assert await s.metric('kvroute_pd_orphaned_prefills_total{cause="decode_unavailable"') == 1
+
+
 async def test_a_removed_decode_worker_no_longer_degrades_health() -> None:
     async with pd_router(prefill_ok(), decode_stream(pull=False)) as s:
         assert (await sse(s.client, CLIENT))[0] == 200

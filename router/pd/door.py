@@ -247,10 +247,12 @@ class PDDoor:
         doc: dict[str, Any],
     ) -> None:
         assert plan.prefill is not None
-        if plan.decode not in self.svc.fleet.workers:
-            # removed while the prefill side was decided: the proxy's way decides again
-            self.metrics.fallbacks.labels("decode_removed").inc()
-            await local(r, tagged(send, plan, fallback="decode_removed"))
+        gone = self._decode_gone_since(plan.decode)
+        if gone is not None:
+            # removed or ejected while the prefill side was decided: the proxy's way
+            # decides again
+            self.metrics.fallbacks.labels(gone).inc()
+            await local(r, tagged(send, plan, fallback=gone))
             return
         # the decode worker's load is counted from the decision, not from the decode leg:
         # concurrent splits must see each other there (busy bounds, shedding, the load
@@ -269,6 +271,14 @@ class PDDoor:
         self.metrics.prefill_leg.observe(answer.seconds)
         await self._decode(r, send, local, plan, answer.params, ticket)
 
+    def _decode_gone_since(self, worker: str) -> str | None:
+        """Why the decode worker can no longer take the split (None: it can). A drain lets
+        it finish what it was given, so only removal and ejection count."""
+        state = self.svc.fleet.workers.get(worker)
+        if state is None:
+            return "decode_removed"
+        return None if state.available else "decode_unavailable"
+
     async def _prefill(
         self, r: ClientRequest, plan: m.Plan, pdec: Decision, doc: dict[str, Any]
     ) -> PrefillAnswer | str:
@@ -280,6 +290,9 @@ class PDDoor:
         if h is None or state is None:  # removed since the decision
             self.metrics.fallbacks.labels("prefill_removed").inc()
             return "prefill_removed"
+        if not state.available:  # ejected since the decision (hung, unreachable)
+            self.metrics.fallbacks.labels("prefill_unavailable").inc()
+            return "prefill_unavailable"
         ticket = self.svc.start(pdec, worker)
         sent_at = self.pool.clock.now()
         try:
@@ -341,13 +354,16 @@ class PDDoor:
         worker = plan.decode
         h = self.pool.handle_of(worker)
         state = self.svc.fleet.workers.get(worker)
-        if h is None or state is None:
+        gone = self._decode_gone_since(worker)
+        if h is None or state is None or gone is not None:
+            gone = gone or "decode_removed"
             self.svc.release(ticket)
-            # removed while the prefill ran (the admin API, a workers file, DNS): nobody
-            # will pull that KV; the proxy's way decides again among the workers left
-            self._count(self.metrics.orphans, plan.prefill or UNKNOWN_WORKER, "decode_removed")
-            self.metrics.fallbacks.labels("decode_removed").inc()
-            await local(r, tagged(send, plan, fallback="decode_removed"))
+            # removed while the prefill ran (the admin API, a workers file, DNS), or ejected
+            # (hung, unreachable: a leg sent there would wait out its timeouts): nobody will
+            # pull that KV; the proxy's way decides again among the workers left
+            self._count(self.metrics.orphans, plan.prefill or UNKNOWN_WORKER, gone)
+            self.metrics.fallbacks.labels(gone).inc()
+            await local(r, tagged(send, plan, fallback=gone))
             return
         body = r.body if self.config.pd_fault_strip_params else decode_body(r.body, params)
         timeouts = decode_timeouts(

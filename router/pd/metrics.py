@@ -59,7 +59,8 @@ class PDMetrics:
             "kvroute_pd_local_fallbacks_total",
             "Splits served by a local prefill on the decode worker instead, by cause "
             "(prefill_failed, prefill_refused, prefill_timeout, prefill_bad_params, "
-            "decode_unreachable, decode_closed, decode_removed)",
+            "prefill_removed, prefill_unavailable, decode_unreachable, decode_closed, "
+            "decode_removed, decode_unavailable)",
             ["cause"],
             registry=r,
         )
