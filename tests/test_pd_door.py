@@ -131,6 +131,25 @@ async def test_a_split_counts_on_its_decode_worker_no_prefill_and_no_cache_until
             await leg
 
 
+async def test_prefill_legs_queued_behind_others_teach_no_prefill_time() -> None:
+    """Four splits at once on a prefill worker that runs one prefill at a time: the later
+    legs' times are mostly queue, which the model adds apart (queue_P); learnt as prefill
+    time, P would look ever slower under exactly the load where splitting pays."""
+    answer, one_at_a_time = prefill_ok(), asyncio.Lock()
+
+    async def serial(w: FakeWorker, seen: Any, send: Any) -> None:
+        async with one_at_a_time:
+            await asyncio.sleep(0.3)
+        await answer(w, seen, send)
+
+    async with pd_router(serial, decode_stream()) as s:
+        bodies = [{**CLIENT, "prompt": f"{i} {PROMPT}"} for i in range(4)]
+        answers = await asyncio.gather(*(sse(s.client, b) for b in bodies))
+        assert all(h["x-kvroute-pd"].startswith("split") for _, _, h in answers)
+        learnt = s.app.pd.model.fits[s.names["prefill"]].samples
+        assert learnt and all(ms < 550 for _, _, ms in learnt), learnt
+
+
 async def test_a_hung_prefill_leg_times_out_into_a_local_prefill() -> None:
     async with pd_router(prefill_hangs(), decode_stream(), first_byte_timeout_s=0.5) as s:
         status, _, _ = await sse(s.client, CLIENT)

@@ -293,6 +293,9 @@ class PDDoor:
         if not state.available:  # ejected since the decision (hung, unreachable)
             self.metrics.fallbacks.labels("prefill_unavailable").inc()
             return "prefill_unavailable"
+        # a leg that queued behind others on P times its queue too: as on the local path,
+        # only one sent to a worker with nothing before it teaches P's prefill rate
+        alone = self.svc.fleet.load.view(worker).prefill_tokens == 0
         ticket = self.svc.start(pdec, worker)
         sent_at = self.pool.clock.now()
         try:
@@ -309,11 +312,12 @@ class PDDoor:
         self.svc.finish(ticket, status=200, cached_tokens=answer.cached_tokens)
         self.pool.note_answered(worker)
         self._prefill_failures.pop(worker, None)
-        s = pdec.score_of(worker)
-        cached = cached_tokens(s, pdec.prompt_tokens)
-        self.model.observe_prefill(
-            worker, pdec.prompt_tokens - cached, cached, answer.seconds * 1000
-        )
+        if alone:
+            s = pdec.score_of(worker)
+            cached = cached_tokens(s, pdec.prompt_tokens)
+            self.model.observe_prefill(
+                worker, pdec.prompt_tokens - cached, cached, answer.seconds * 1000
+            )
         return answer
 
     def _prefill_failed(self, worker: str, ticket: Ticket, exc: LegFailed, sent_at: float) -> None:
