@@ -150,6 +150,38 @@ async def test_prefill_legs_queued_behind_others_teach_no_prefill_time() -> None
         assert learnt and all(ms < 550 for _, _, ms in learnt), learnt
 
 
+async def test_a_failed_calibration_is_run_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe handoff at start failed (the prefill engine was still loading its model):
+    it runs again, so `auto` splits once the worker is ready, not only after a restart."""
+    from router.asgi import send_json
+    from router.pd import calibrate, door
+
+    monkeypatch.setattr(calibrate, "WAIT_S", 1.0)
+    monkeypatch.setattr(door, "RETRY_S", (0.5, 1.0))
+    ready, answer = asyncio.Event(), prefill_ok()
+
+    async def loading(w: FakeWorker, seen: Any, send: Any) -> None:
+        if not ready.is_set():
+            await send_json(send, 503, {"error": {"message": "the model is loading"}})
+            return
+        await answer(w, seen, send)
+
+    async with pd_router(loading, decode_stream(), pd_threshold="auto", pd_probe=True) as s:
+        for _ in range(100):
+            health = (await s.client.get("/health")).json()
+            if health["pd"]["calibration"] == "failed":
+                break
+            await asyncio.sleep(0.05)
+        assert health["pd"]["calibration"] == "failed" and health["pd"]["problems"], health
+        ready.set()
+        for _ in range(200):
+            health = (await s.client.get("/health")).json()
+            if health["pd"]["calibration"] == "done":
+                break
+            await asyncio.sleep(0.05)
+        assert health["pd"]["calibration"] == "done" and not health["pd"]["problems"], health
+
+
 async def test_a_hung_prefill_leg_times_out_into_a_local_prefill() -> None:
     async with pd_router(prefill_hangs(), decode_stream(), first_byte_timeout_s=0.5) as s:
         status, _, _ = await sse(s.client, CLIENT)

@@ -19,6 +19,10 @@ log = logging.getLogger("kvroute.pd")
 
 PROBE_TOKENS = (64, 512, 2048)  # the first one pays the NIXL handshake: not a sample
 WAIT_S = 120.0  # for a discovered prefill worker and decode worker
+# a failed calibration is run again after this long, doubling to the second: an engine still
+# loading its model, a side channel not yet up, or a fixed flag must not leave `auto`
+# splitting nothing until the router restarts
+RETRY_S = (30.0, 300.0)
 PROBE_FIX = (
     "run router-check --router URL (its pd-path check runs the same probe and names the "
     "fix); every prefill worker needs --kv-transfer-config with NixlConnector and kv_role "
@@ -46,15 +50,19 @@ class Calibration:
         self.state = "pending"  # pending | running | done | failed | off
 
     async def run(self) -> None:
-        self.state = "running"
-        await self._run()
+        """Probe once. Run again after a failure, the last failure stands until the new
+        run's verdict: /health does not flap while a retry runs."""
+        if self.state != "failed":
+            self.state = "running"
+        self.results = []
+        self.problem = await self._run()
         self.state = "failed" if self.problem else "done"
 
-    async def _run(self) -> None:
+    async def _run(self) -> str | None:
+        """None once calibrated, else what went wrong."""
         pair = await self._pair()
         if pair is None:
-            self.problem = f"no discovered prefill and decode worker to probe within {WAIT_S:g} s"
-            return
+            return f"no discovered prefill and decode worker to probe within {WAIT_S:g} s"
         (p, ps), (d, ds) = pair
         self.pair = f"{p.name} -> {d.name}"
         await self._local_rate(d, ds)  # first: the overhead is what a decode step leaves
@@ -69,15 +77,16 @@ class Calibration:
             )
             self.results.append(result)
             if not result.proved:
-                self.problem = (
+                problem = (
                     result.describe()
                     if result.error
                     else (result.describe() + ": the decode worker did not pull the KV")
                 )
-                log.error("P/D %s; fix: %s", self.problem, PROBE_FIX)
-                return
+                log.error("P/D %s; fix: %s (probing again in a while)", problem, PROBE_FIX)
+                return problem
             self._learn(ps.name, result, sample=i > 0)
         log.warning("P/D calibrated: %s; %s", self.model.snapshot(), self.results[-1].describe())
+        return None
 
     def _learn(self, prefill: str, r: ProbeResult, sample: bool) -> None:
         if not sample:

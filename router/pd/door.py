@@ -27,7 +27,7 @@ from router.core.errors import BadRequest, NoWorkerAvailable, UpstreamError, Ups
 from router.forward import ConnectFailed, Forwarder, Outcome, WorkerTimedOut
 from router.openai_req import RoutingInput
 from router.pd import model as m
-from router.pd.calibrate import PROBE_FIX, Calibration
+from router.pd.calibrate import PROBE_FIX, RETRY_S, Calibration
 from router.pd.legs import (
     ClientRequest,
     LegFailed,
@@ -131,6 +131,11 @@ class PDDoor:
                 await asyncio.sleep(ACTIVE_POLL_S)
         await self.calibration.run()
         await self.verifier.baseline(self._decode_endpoints())
+        wait = RETRY_S[0]
+        while self.calibration.state == "failed":
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, RETRY_S[1])
+            await self.calibration.run()
 
     def _decode_endpoints(self) -> list[str]:
         return [w.name for w in self.svc.fleet.workers.values() if w.role != "prefill"]
