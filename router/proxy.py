@@ -196,6 +196,7 @@ class ProxyDoor:
             h = self.pool.handle_of(choice.worker)
             if h is None:
                 continue
+            r.tries.append(choice.worker)
             rank = self.svc.fleet.workers[choice.worker].rank
             sent = with_rank(r.headers, rank)
             ticket = self.svc.start(r.decision, choice.worker)
@@ -343,6 +344,7 @@ class _Request:
         "scope",
         "started",
         "target",
+        "tries",
     )
 
     def __init__(
@@ -367,6 +369,7 @@ class _Request:
         self.request_id = request_id
         self.started = started
         self.first_byte: float | None = None
+        self.tries: list[str] = []  # the endpoints sent it, in order (a retry adds one)
 
     def cancelled_outcome(self) -> str:
         return cancelled_outcome(self.scope)

@@ -182,6 +182,42 @@ async def test_a_failed_calibration_is_run_again(monkeypatch: pytest.MonkeyPatch
         assert health["pd"]["calibration"] == "done" and not health["pd"]["problems"], health
 
 
+async def test_a_retried_local_request_teaches_no_prefill_time() -> None:
+    """A local request whose first worker hung and was retried elsewhere: its wait was the
+    first byte timeout plus another worker's prefill, learnt for neither (taught to the
+    first, that worker would look slow for good and always be split for)."""
+    served = 0
+    stream = decode_stream()
+
+    async def first_hangs(w: FakeWorker, seen: Any, send: Any) -> None:
+        nonlocal served
+        served += 1
+        if served == 1:
+            await seen.gone.wait()  # a hung engine: no head, no chunk
+            return
+        await stream(w, seen, send)
+
+    d2 = FakeWorker(first_hangs)
+    async with (
+        serve_in_process(d2) as d2_url,
+        pd_router(
+            prefill_ok(),
+            first_hangs,
+            more_decode=(d2_url,),
+            pd_threshold="100000",  # every request local
+            first_byte_timeout_s=1.0,
+        ) as s,
+    ):
+        status, text, headers = await sse(s.client, {**CLIENT, "max_tokens": 3})
+        assert status == 200 and "t2" in text and served == 2
+        assert headers["x-kvroute-pd"].startswith("local")
+        assert not any(fit.samples for fit in s.app.pd.model.fits.values()), s.app.pd.model.fits
+        # a local request answered by its first worker still teaches it
+        status, _, headers = await sse(s.client, {**CLIENT, "prompt": f"again {PROMPT}"})
+        learnt = s.app.pd.model.fits.get(headers["x-kvroute-worker"])
+        assert status == 200 and learnt is not None and len(learnt.samples) == 1
+
+
 async def test_a_hung_prefill_leg_times_out_into_a_local_prefill() -> None:
     async with pd_router(prefill_hangs(), decode_stream(), first_byte_timeout_s=0.5) as s:
         status, _, _ = await sse(s.client, CLIENT)

@@ -237,6 +237,8 @@ class PDDoor:
 
     def _learn_local(self, r: ClientRequest, plan: m.Plan) -> None:
         d = r.decision.best
+        if r.tries != [d.worker]:
+            return  # retried: its wait was a failed worker's timeout plus another's prefill
         if plan.uncached > 0 and d.prefill_tokens == 0 and r.first_byte is not None:
             ms = (r.first_byte - r.started) * 1000
             cached = r.decision.prompt_tokens - plan.uncached

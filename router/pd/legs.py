@@ -49,6 +49,7 @@ class ClientRequest(Protocol):
     request_id: bytes
     started: float
     first_byte: float | None
+    tries: list[str]  # the endpoints the proxy's way sent it, in order
 
     def cancelled_outcome(self) -> str: ...
 
