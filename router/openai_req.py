@@ -97,7 +97,7 @@ def parse(kind: str, body: bytes) -> RoutingInput:
     salt = doc.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise BadRequest("'cache_salt' must be a string", param="cache_salt")
-    asked = _asked_tokens(doc, kind == "chat")
+    asked = asked_tokens(doc, kind == "chat")
     common: dict[str, Any] = {
         "model": model,
         "cache_salt": salt or None,
@@ -187,7 +187,7 @@ def _n(doc: dict[str, Any]) -> int:
     return 1 if n is None else n
 
 
-def _asked_tokens(doc: dict[str, Any], chat: bool) -> int | None:
+def asked_tokens(doc: dict[str, Any], chat: bool) -> int | None:
     """The output tokens the request asks for; None: unset (vLLM's default applies)."""
     # a completion request has no max_completion_tokens in vLLM: it ignores one sent
     for key in ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",):

@@ -391,10 +391,10 @@ class DecisionService:
             return ticket
         self.picker.score_late(ticket.decision, worker)
         self._release(ticket)
-        self._unbelieve(ticket)
+        self.unbelieve(ticket)
         return self.start(ticket.decision, worker)
 
-    def _unbelieve(self, ticket: Ticket) -> None:
+    def unbelieve(self, ticket: Ticket) -> None:
         """The endpoint started stores nothing for this request (another one served it, or
         its engine refused it): what the pick made this router and its peers believe of
         that endpoint's cache goes, and its event health expects no blocks for it."""
@@ -413,7 +413,7 @@ class DecisionService:
         is sent the proxy's way, which counts it anew): its load goes, no outcome counts."""
         if not ticket.done:
             self._release(ticket)
-            self._unbelieve(ticket)
+            self.unbelieve(ticket)
 
     def first_token(self, ticket: Ticket) -> None:
         if ticket.first_token_at is None:
@@ -453,7 +453,7 @@ class DecisionService:
             # never reached the engine, or the engine failed it before a first token: what
             # the pick believed of its cache goes, and its KV events are not waited on (a
             # block it did store still shows in them)
-            self._unbelieve(ticket)
+            self.unbelieve(ticket)
         if outcome is not None:
             return
         if 400 <= status < 500:
@@ -462,7 +462,7 @@ class DecisionService:
             # its KV events (vLLM may answer a non-streaming request 400 for an error
             # raised after its prefill stored blocks: its KV events still show them, and an
             # approximate worker's belief is short of them until they are asked again)
-            self._unbelieve(ticket)
+            self.unbelieve(ticket)
             return
         if cached_tokens and ticket.load.expects_events and ticket.decision.request.n == 1:
             bs = ticket.decision.score_of(ticket.worker).block_size

@@ -180,6 +180,9 @@ async def test_a_failed_calibration_is_run_again(monkeypatch: pytest.MonkeyPatch
                 break
             await asyncio.sleep(0.05)
         assert health["pd"]["calibration"] == "done" and not health["pd"]["problems"], health
+        # a retry probes no local prefills on D, which may be serving by then
+        local = s.app.pd.model.fits[s.names["decode"]].samples
+        assert len(local) == len(calibrate.PROBE_TOKENS) - 1, local
 
 
 async def test_a_retried_local_request_teaches_no_prefill_time() -> None:
@@ -520,24 +523,46 @@ async def test_a_decode_worker_removed_while_the_prefill_side_is_decided_loses_n
 async def test_a_decode_worker_ejected_during_the_prefill_leg_is_sent_no_decode_leg() -> None:
     """The decode worker was ejected (hung, unreachable) while the prefill ran: the decode
     leg goes nowhere near it, where it would wait out its timeouts; the request is decided
-    again (here no decode worker is left: an error at once), the prefill counted orphaned."""
-    answer, ejected = prefill_ok(), []
+    again, and the prefill counted orphaned."""
+    answer, ejected, apps = prefill_ok(), [], []
 
     async def eject_then_answer(w: FakeWorker, seen: Any, send: Any) -> None:
-        app, decode = ejected[0]
-        app.pool.eject(decode, "connect failed: ConnectError")
+        app = apps[0]
+        for name, state in app.fleet.workers.items():  # the split's D counts it already
+            if state.role == "decode" and app.fleet.load.view(name).requests:
+                app.pool.eject(name, "connect failed: ConnectError")
+                ejected.append(name)
         await answer(w, seen, send)
 
     calm = {"health_check_interval_s": 30.0, "first_byte_timeout_s": 20}
-    async with pd_router(eject_then_answer, decode_stream(), **calm) as s:
-        ejected.append((s.app, s.names["decode"]))
-        started = asyncio.get_running_loop().time()
-        status, text, _ = await sse(s.client, CLIENT)
-        assert status in (502, 503) and "t2" not in text, text
-        assert asyncio.get_running_loop().time() - started < 5
-        assert s.decode.seen == []
+    other = FakeWorker(decode_stream())
+    async with (
+        serve_in_process(other) as other_url,
+        pd_router(eject_then_answer, decode_stream(), more_decode=(other_url,), **calm) as s,
+    ):
+        apps.append(s.app)
+        status, text, headers = await sse(s.client, CLIENT)
+        assert status == 200 and "t2" in text, text
+        (gone,) = ejected
+        assert headers["x-kvroute-pd"] == (
+            f"local reason=decode_fallback cause=decode_unavailable decode={gone}"
+        )
+        workers = {s.names["decode"]: s.decode, other_url.split("//")[1]: other}
+        assert workers[gone].seen == [] and sum(len(w.seen) for w in workers.values()) == 1
         assert await s.metric('kvroute_pd_local_fallbacks_total{cause="decode_unavailable"}') == 1
         assert await s.metric('kvroute_pd_orphaned_prefills_total{cause="decode_unavailable"') == 1
+
+
+async def test_a_decode_leg_answering_an_error_leaves_no_belief_of_its_pull() -> None:
+    """A non-streaming decode leg's first byte is its whole answer, here a 500: it pulled
+    nothing, so D is not left credited with the prompt (nor peers told so)."""
+    async with pd_router(prefill_ok(), prefill_status(500)) as s:
+        whole = {k: v for k, v in CLIENT.items() if k not in ("stream", "stream_options")}
+        resp = await s.client.post("/v1/completions", json=whole)
+        assert resp.status_code == 500 and resp.headers["x-kvroute-pd"].startswith("split")
+        route = (await s.client.post("/debug/route", json=whole)).json()
+        overlap = {w["worker"]: w["overlap_blocks"] for w in route["workers"]}
+        assert overlap[s.names["decode"]] == 0, route
 
 
 async def test_a_removed_decode_worker_no_longer_degrades_health() -> None:

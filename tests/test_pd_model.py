@@ -125,20 +125,40 @@ def test_response_params_reads_params_and_cached_tokens() -> None:
         ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         ({"prompt": "x", "stream": True, "stream_options": {"include_usage": True}}, None),
         ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
-        ({"prompt": "x", "max_completion_tokens": 4, "min_tokens": 5}, "min_tokens"),
+        # a completion has no max_completion_tokens in vLLM: its max_tokens counts
+        ({"prompt": "x", "max_completion_tokens": 4, "min_tokens": 5}, None),
+        ({"prompt": "x", "max_tokens": 4, "max_completion_tokens": 99, "min_tokens": 5}, "min"),
         ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
         ({"prompt": "x", "max_tokens": 4, "min_tokens": 4}, None),
-        ({"prompt": "x", "min_tokens": 9}, None),  # no max: the context bounds it
+        ({"prompt": "x", "min_tokens": 17}, "min_tokens"),  # over vLLM's default 16
+        ({"prompt": "x", "max_tokens": None, "min_tokens": 16}, None),
     ],
     ids=[
         *("plain", "n", "n-text", "n-text-1", "best-of", "batch", "token-ids", "echo"),
         "echo-text-false",
         *("prompt-logprobs", "beam", "stream-options-unstreamed", "stream-options-streamed"),
-        *("min-over-max", "min-over-max-completion", "min-negative", "min-is-max", "min-no-max"),
+        *("min-over-max", "completion-ignores-max-completion", "completion-max-tokens-counts"),
+        *("min-negative", "min-is-max", "min-over-the-default", "null-max-is-the-default"),
     ],
 )
 def test_not_splittable(doc: dict[str, Any], why: str | None) -> None:
     found = not_splittable(doc)
+    assert found is None if why is None else why in (found or "")
+
+
+@pytest.mark.parametrize(
+    ("doc", "why"),
+    [
+        ({"max_completion_tokens": 4, "min_tokens": 5}, "min_tokens"),
+        ({"max_completion_tokens": None, "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+        ({"max_completion_tokens": 9, "max_tokens": 4, "min_tokens": 5}, None),
+        ({"min_tokens": 500}, None),  # a chat's default is the context's room
+    ],
+    ids=["max-completion", "null-falls-to-max-tokens", "max-completion-first", "no-max"],
+)
+def test_not_splittable_chat(doc: dict[str, Any], why: str | None) -> None:
+    messages = [{"role": "user", "content": "x"}]
+    found = not_splittable({"messages": messages, **doc}, chat=True)
     assert found is None if why is None else why in (found or "")
 
 

@@ -48,6 +48,7 @@ class Calibration:
         self.problem: str | None = None
         self.pair = "probe"  # prefill -> decode, once chosen
         self.state = "pending"  # pending | running | done | failed | off
+        self.runs = 0
 
     async def run(self) -> None:
         """Probe once. Run again after a failure, the last failure stands until the new
@@ -55,6 +56,7 @@ class Calibration:
         if self.state != "failed":
             self.state = "running"
         self.results = []
+        self.runs += 1
         self.problem = await self._run()
         self.state = "failed" if self.problem else "done"
 
@@ -65,7 +67,9 @@ class Calibration:
             return f"no discovered prefill and decode worker to probe within {WAIT_S:g} s"
         (p, ps), (d, ds) = pair
         self.pair = f"{p.name} -> {d.name}"
-        await self._local_rate(d, ds)  # first: the overhead is what a decode step leaves
+        if self.runs == 1:  # a retry may find D serving: its local prefills would
+            # queue, and add computed tokens the verifier reads against pending splits
+            await self._local_rate(d, ds)  # first: the overhead is what a decode step leaves
         for i, tokens in enumerate(PROBE_TOKENS):
             result = await probe_handoff(
                 self.pool.client,
@@ -93,6 +97,9 @@ class Calibration:
             return
         m = r.moved
         self.model.observe_transfer(m.bytes_transferred, m.xfer_seconds, m.external_kv_transfer)
+        load = self.pool.fleet.load
+        if any(load.view(w).requests for w in (prefill, r.decode)):
+            return  # a retry on a serving fleet: its times are partly others' queue
         self.model.observe_prefill(prefill, r.prompt_tokens, 0, r.prefill_leg_ms)
         if r.decode_ttft_ms is not None:
             self.model.observe_overhead(

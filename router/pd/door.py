@@ -174,7 +174,7 @@ class PDDoor:
         n = decision.prompt_tokens
         cached = cached_tokens(d, n)
         dside = m.Side(d.worker, n - cached, cached, d.requests, d.prefill_tokens)
-        why = not_splittable(doc)
+        why = not_splittable(doc, rin.kind == "chat")
         if why is not None:
             return m.Plan(
                 False, m.LOCAL_NOT_SPLITTABLE, d.worker, uncached=dside.new, detail=why
@@ -439,6 +439,8 @@ class PDDoor:
             self._count(self.metrics.decode_errors, plan.decode, cause)
             if r.first_byte is None or result.status != 200:  # refused: it pulled nothing
                 self._count(self.metrics.orphans, plan.prefill or UNKNOWN_WORKER, "decode_failed")
+                # its answer was the first byte, which credited D with the pull
+                self.svc.unbelieve(ticket)
             return None
         return self._learn_split(r, plan, sent)
 

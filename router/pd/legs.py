@@ -167,7 +167,9 @@ def reached_worker(exc: ConnectFailed) -> bool:
     return isinstance(exc, WorkerTimedOut) or not exc.detail.startswith("connect to")
 
 
-DECODE_FALLBACKS = frozenset({"decode_removed", "decode_unreachable", "decode_closed"})
+DECODE_FALLBACKS = frozenset(
+    {"decode_removed", "decode_unavailable", "decode_unreachable", "decode_closed"}
+)
 
 
 def tagged(send: Send, plan: Plan, fallback: str | None = None) -> Send:

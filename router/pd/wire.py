@@ -16,6 +16,7 @@ from typing import Any, TypeGuard
 import msgspec
 
 from engines.vllm.lax import NotABool, NotAnInt, lax_bool, lax_int
+from router.openai_req import asked_tokens
 
 _decoder = msgspec.json.Decoder()
 _encode = msgspec.json.encode
@@ -39,9 +40,10 @@ def request_doc(body: bytes) -> dict[str, Any]:
     return doc
 
 
-def not_splittable(doc: Mapping[str, Any]) -> str | None:
+def not_splittable(doc: dict[str, Any], chat: bool = False) -> str | None:
     """Why the engine cannot hand this request off (None: it can). A prefill leg computes
-    one token; whatever needs the prompt's own outputs or several sequences stays local."""
+    one token; whatever needs the prompt's own outputs or several sequences stays local.
+    `chat`: a chat completion (its own output-length fields)."""
     if _int(doc.get("n"), 1) > 1:  # vLLM 0.32 has no best_of: it ignores one sent
         return "several sequences (n > 1)"
     if _set(doc.get("use_beam_search")):
@@ -58,8 +60,10 @@ def not_splittable(doc: Mapping[str, Any]) -> str | None:
     if doc.get("stream_options") is not None and not _set(doc.get("stream")):
         return "stream_options without stream (the engine refuses it)"
     least = _int(doc.get("min_tokens"), 0)
-    most = doc.get("max_completion_tokens", doc.get("max_tokens"))
-    if least < 0 or (most is not None and least > _int(most, least)):
+    most = asked_tokens(doc, chat)
+    if most is None and not chat:
+        most = 16  # vLLM's default for a completion (normalize_null_max_tokens)
+    if least < 0 or (most is not None and least > most):
         return "min_tokens outside 0..max_tokens (the engine refuses it)"
     return None
 
