@@ -399,9 +399,12 @@ class DecisionService:
         its engine refused it): what the pick made this router and its peers believe of
         that endpoint's cache goes, and its event health expects no blocks for it."""
         self.picker.withdraw(ticket.load)
+        if not ticket.believed:
+            return  # a handoff before its pull, or taken back already: nothing to take
+        ticket.believed = False  # once: a second take-back would be a sibling's claim
         w = self.fleet.workers.get(ticket.worker)
-        if w is None or not w.caching or not ticket.believed:
-            return  # a handoff before its pull: nothing was believed there to take back
+        if w is None or not w.caching:
+            return
         hashes = ticket.decision.hashes.get(w.block_size, ())
         believed = self.fleet.predictions if w.mode == EVENTS else self.fleet.approx
         believed.withdraw(w.name, hashes)

@@ -565,6 +565,23 @@ async def test_a_decode_leg_answering_an_error_leaves_no_belief_of_its_pull() ->
         assert overlap[s.names["decode"]] == 0, route
 
 
+async def test_taking_back_a_requests_cache_belief_twice_takes_it_back_once() -> None:
+    """A failed decode leg's belief is taken back by the door and by the outcome (a 4xx):
+    the second must not take back a sibling's claim on the same prompt's record."""
+    from router.openai_req import parse_request
+
+    async with pd_router(prefill_ok(), decode_stream()) as s:
+        svc, decode = s.app.routing, s.names["decode"]
+        body = json.dumps({"model": "m", "prompt": PROMPT, "max_tokens": 2}).encode()
+        decision = await svc.decide(parse_request("completion", "/v1/completions", body))
+        sibling, failed = svc.start(decision, decode), svc.start(decision, decode)
+        svc.finish(failed, status=400)  # the outcome takes it back...
+        svc.unbelieve(failed)  # ...and so does the door
+        hashes = decision.hashes[s.app.fleet.workers[decode].block_size]
+        assert decode in s.app.fleet.approx.find_matches(hashes)  # the sibling's stays
+        svc.finish(sibling, status=200)
+
+
 async def test_a_removed_decode_worker_no_longer_degrades_health() -> None:
     async with pd_router(prefill_ok(), decode_stream(pull=False)) as s:
         assert (await sse(s.client, CLIENT))[0] == 200
