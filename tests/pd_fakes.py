@@ -234,17 +234,11 @@ async def closing_worker() -> AsyncIterator[str]:
 
 @asynccontextmanager
 async def pd_router(
-    prefill: Handler,
-    decode: Handler,
-    more_decode: tuple[str, ...] = (),
-    prefill_url: str | None = None,
-    **config: Any,
+    prefill: Handler, decode: Handler, more_decode: tuple[str, ...] = (), **config: Any
 ) -> AsyncIterator[PDSetup]:
-    """A router over a scripted prefill and decode worker (and `more_decode` worker URLs);
-    `prefill_url`: the prefill worker at that URL instead of the scripted one."""
+    """A router over a scripted prefill and decode worker (and `more_decode` worker URLs)."""
     p, d = FakeWorker(prefill), FakeWorker(decode)
     async with serve_in_process(p) as p_url, serve_in_process(d) as d_url:
-        p_url = prefill_url or p_url
         workers = (
             WorkerConfig(p_url, role="prefill"),
             WorkerConfig(d_url, role="decode"),

@@ -221,25 +221,6 @@ async def test_a_retried_local_request_teaches_no_prefill_time() -> None:
         assert status == 200 and learnt is not None and len(learnt.samples) == 1
 
 
-async def test_a_prefill_leg_closed_by_its_worker_is_counted_as_its_failure() -> None:
-    """A prefill worker that took the leg and dropped the connection failed the request
-    (`worker_failed`, as the proxy names it), not a connection that never came."""
-    async with (
-        closing_worker() as dying,
-        pd_router(prefill_ok(), decode_stream(), prefill_url=dying) as s,
-    ):
-        status, text, headers = await sse(s.client, CLIENT)
-        assert status == 200 and "t2" in text
-        assert "cause=prefill_failed" in headers["x-kvroute-pd"]
-        prefill = s.names["prefill"]
-        assert (
-            await s.metric(
-                f'kvroute_requests_total{{model="m",outcome="worker_failed",status="0",worker="{prefill}"}}'
-            )
-            == 1
-        )
-
-
 async def test_a_hung_prefill_leg_times_out_into_a_local_prefill() -> None:
     async with pd_router(prefill_hangs(), decode_stream(), first_byte_timeout_s=0.5) as s:
         status, _, _ = await sse(s.client, CLIENT)

@@ -338,14 +338,8 @@ class PDDoor:
         )
         if exc.status:  # it answered: an HTTP error, or params unfit to forward
             self.svc.finish(ticket, status=exc.status)
-        else:  # as the proxy names them: one that took the request and closed it failed it
-            outcome = (
-                "timeout"
-                if exc.cause == "prefill_timeout"
-                else "worker_failed"
-                if exc.detail.startswith("closed")
-                else "connect_failed"
-            )
+        else:
+            outcome = "timeout" if exc.cause == "prefill_timeout" else "connect_failed"
             self.svc.finish(ticket, status=0, outcome=outcome)
         self.metrics.fallbacks.labels(exc.cause).inc()
         count, _ = self._prefill_failures.get(worker, (0, ""))
