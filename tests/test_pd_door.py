@@ -221,6 +221,28 @@ async def test_a_retried_local_request_teaches_no_prefill_time() -> None:
         assert status == 200 and learnt is not None and len(learnt.samples) == 1
 
 
+async def test_a_probe_on_a_serving_fleet_teaches_the_link_but_no_prefill_time() -> None:
+    """A calibration probe while the decode worker serves a request: its prefill leg's time
+    is partly that request's, so it teaches no prefill rate; the link it measured stands."""
+    from engines.sim.pd_metrics import PDSnapshot
+    from router.openai_req import parse_request
+    from router.pd.probe import ProbeResult
+
+    async with pd_router(prefill_ok(), decode_stream()) as s:
+        svc, cal, model = s.app.routing, s.app.pd.calibration, s.app.pd.model
+        p, d = (s.app.pool.handles[s.names[k]] for k in ("prefill", "decode"))
+        moved = PDSnapshot(bytes_transferred=4e6, xfer_seconds=0.01, external_kv_transfer=1000)
+        probe = ProbeResult(p.name, d.name, 1000, 80.0, None, moved)
+        body = json.dumps({"model": "m", "prompt": PROMPT, "max_tokens": 2}).encode()
+        decision = await svc.decide(parse_request("completion", "/v1/completions", body))
+        serving = svc.start(decision, d.name)
+        cal._learn(p, d, probe, sample=True)
+        assert model.link.value is not None and p.name not in model.fits
+        svc.finish(serving, status=200)
+        cal._learn(p, d, probe, sample=True)  # idle now: learnt
+        assert len(model.fits[p.name].samples) == 1
+
+
 async def test_a_hung_prefill_leg_times_out_into_a_local_prefill() -> None:
     async with pd_router(prefill_hangs(), decode_stream(), first_byte_timeout_s=0.5) as s:
         status, _, _ = await sse(s.client, CLIENT)
@@ -561,6 +583,28 @@ async def test_taking_back_a_requests_cache_belief_twice_takes_it_back_once() ->
         hashes = decision.hashes[s.app.fleet.workers[decode].block_size]
         assert decode in s.app.fleet.approx.find_matches(hashes)  # the sibling's stays
         svc.finish(sibling, status=200)
+
+
+async def test_a_decode_stream_cut_after_its_first_token_keeps_the_pull_believed() -> None:
+    """A decode stream that dies after its first token is relayed as an error, but its
+    pull happened: D holds the prompt, and a repeat must find it there."""
+    async with pd_router(prefill_ok(), decode_stream(die_after=1)) as s:
+        _, text, headers = await sse(s.client, CLIENT)
+        assert headers["x-kvroute-pd"].startswith("split") and '"error"' in text, text
+        probe = {"model": "m", "prompt": PROMPT, "max_tokens": 7}
+        route = (await s.client.post("/debug/route", json=probe)).json()
+        overlap = {w["worker"]: w["overlap_blocks"] for w in route["workers"]}
+        assert overlap[s.names["decode"]] > 0, route
+
+
+async def test_a_body_with_a_byte_order_mark_is_split_like_any() -> None:
+    """vLLM's JSON parser skips a UTF-8 byte-order mark, and so does the door."""
+    async with pd_router(prefill_ok(), decode_stream()) as s:
+        body = b"\xef\xbb\xbf" + json.dumps(CLIENT).encode()
+        headers = {"content-type": "application/json"}
+        resp = await s.client.post("/v1/completions", content=body, headers=headers)
+        assert resp.status_code == 200, resp.text
+        assert resp.headers["x-kvroute-pd"].startswith("split")
 
 
 async def test_a_removed_decode_worker_no_longer_degrades_health() -> None:

@@ -132,6 +132,9 @@ def test_response_params_reads_params_and_cached_tokens() -> None:
         ({"prompt": "x", "max_tokens": 4, "min_tokens": 4}, None),
         ({"prompt": "x", "min_tokens": 17}, "min_tokens"),  # over vLLM's default 16
         ({"prompt": "x", "max_tokens": None, "min_tokens": 16}, None),
+        ({"prompt": "x", "min_tokens": "abc"}, "min_tokens"),
+        ({"prompt": "x", "min_tokens": 2.5}, "min_tokens"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens below 1"),
     ],
     ids=[
         *("plain", "n", "n-text", "n-text-1", "best-of", "batch", "token-ids", "echo"),
@@ -139,6 +142,7 @@ def test_response_params_reads_params_and_cached_tokens() -> None:
         *("prompt-logprobs", "beam", "stream-options-unstreamed", "stream-options-streamed"),
         *("min-over-max", "completion-ignores-max-completion", "completion-max-tokens-counts"),
         *("min-negative", "min-is-max", "min-over-the-default", "null-max-is-the-default"),
+        *("min-not-a-number", "min-fraction", "max-zero"),
     ],
 )
 def test_not_splittable(doc: dict[str, Any], why: str | None) -> None:
@@ -153,8 +157,9 @@ def test_not_splittable(doc: dict[str, Any], why: str | None) -> None:
         ({"max_completion_tokens": None, "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
         ({"max_completion_tokens": 9, "max_tokens": 4, "min_tokens": 5}, None),
         ({"min_tokens": 500}, None),  # a chat's default is the context's room
+        ({"max_completion_tokens": 0}, "max_tokens below 1"),
     ],
-    ids=["max-completion", "null-falls-to-max-tokens", "max-completion-first", "no-max"],
+    ids=["max-completion", "null-falls-to-max-tokens", "max-completion-first", "no-max", "zero"],
 )
 def test_not_splittable_chat(doc: dict[str, Any], why: str | None) -> None:
     messages = [{"role": "user", "content": "x"}]

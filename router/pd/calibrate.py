@@ -48,7 +48,7 @@ class Calibration:
         self.problem: str | None = None
         self.pair = "probe"  # prefill -> decode, once chosen
         self.state = "pending"  # pending | running | done | failed | off
-        self.runs = 0
+        self.local_learnt = False  # the decode worker's own prefill rate was probed
 
     async def run(self) -> None:
         """Probe once. Run again after a failure, the last failure stands until the new
@@ -56,7 +56,6 @@ class Calibration:
         if self.state != "failed":
             self.state = "running"
         self.results = []
-        self.runs += 1
         self.problem = await self._run()
         self.state = "failed" if self.problem else "done"
 
@@ -67,9 +66,11 @@ class Calibration:
             return f"no discovered prefill and decode worker to probe within {WAIT_S:g} s"
         (p, ps), (d, ds) = pair
         self.pair = f"{p.name} -> {d.name}"
-        if self.runs == 1:  # a retry may find D serving: its local prefills would
-            # queue, and add computed tokens the verifier reads against pending splits
-            await self._local_rate(d, ds)  # first: the overhead is what a decode step leaves
+        # first: the overhead is what a decode step leaves. Only on an idle D (a retry, or
+        # a router restarted beside a live fleet, may find it serving): its local prefills
+        # would queue, and add computed tokens the verifier reads against pending splits
+        if not self.local_learnt and self._idle(d):
+            await self._local_rate(d, ds)
         for i, tokens in enumerate(PROBE_TOKENS):
             result = await probe_handoff(
                 self.pool.client,
@@ -88,18 +89,23 @@ class Calibration:
                 )
                 log.error("P/D %s; fix: %s (probing again in a while)", problem, PROBE_FIX)
                 return problem
-            self._learn(ps.name, result, sample=i > 0)
+            self._learn(p, d, result, sample=i > 0)
         log.warning("P/D calibrated: %s; %s", self.model.snapshot(), self.results[-1].describe())
         return None
 
-    def _learn(self, prefill: str, r: ProbeResult, sample: bool) -> None:
+    def _idle(self, h: WorkerHandle) -> bool:
+        """No request in flight on any of the worker's endpoints (data-parallel ranks)."""
+        load = self.pool.fleet.load
+        return not any(load.view(f.state.name).requests for f in h.feeds)
+
+    def _learn(self, p: WorkerHandle, d: WorkerHandle, r: ProbeResult, sample: bool) -> None:
         if not sample:
             return
         m = r.moved
         self.model.observe_transfer(m.bytes_transferred, m.xfer_seconds, m.external_kv_transfer)
-        load = self.pool.fleet.load
-        if any(load.view(w).requests for w in (prefill, r.decode)):
-            return  # a retry on a serving fleet: its times are partly others' queue
+        if not (self._idle(p) and self._idle(d)):
+            return  # probing a serving fleet: its times are partly others' queue
+        prefill = p.feeds[0].state.name
         self.model.observe_prefill(prefill, r.prompt_tokens, 0, r.prefill_leg_ms)
         if r.decode_ttft_ms is not None:
             self.model.observe_overhead(
@@ -113,6 +119,7 @@ class Calibration:
             )
             if ttft is not None:
                 self.model.observe_prefill(state.name, n, 0, ttft)
+                self.local_learnt = True
 
     async def _pair(self) -> tuple[tuple[WorkerHandle, WorkerState], ...] | None:
         deadline = time.monotonic() + WAIT_S

@@ -431,7 +431,9 @@ class PDDoor:
         if result.status != 200 or result.broken is not None:
             cause = result.broken or f"http_{result.status}"
             self._count(self.metrics.decode_errors, plan.decode, cause)
-            if r.first_byte is None or result.status != 200:  # refused: it pulled nothing
+            # refused: it pulled nothing (a stream cut after its first token is relayed as a
+            # 502, but it pulled: D holds the prompt)
+            if r.first_byte is None or (result.broken is None and result.status != 200):
                 self._count(self.metrics.orphans, plan.prefill or UNKNOWN_WORKER, "decode_failed")
                 # its answer was the first byte, which credited D with the pull
                 self.svc.unbelieve(ticket)

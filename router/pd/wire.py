@@ -16,7 +16,7 @@ from typing import Any, TypeGuard
 import msgspec
 
 from engines.vllm.lax import NotABool, NotAnInt, lax_bool, lax_int
-from router.openai_req import asked_tokens
+from router.openai_req import BOM, asked_tokens
 
 _decoder = msgspec.json.Decoder()
 _encode = msgspec.json.encode
@@ -35,7 +35,7 @@ _REQUIRED_TEXT = ("remote_engine_id", "remote_request_id", "remote_host")
 
 def request_doc(body: bytes) -> dict[str, Any]:
     """The client's JSON object (the door parsed it once already: it is valid)."""
-    doc = _decoder.decode(body)
+    doc = _decoder.decode(body[3:] if body.startswith(BOM) else body)
     assert isinstance(doc, dict)
     return doc
 
@@ -59,12 +59,14 @@ def not_splittable(doc: dict[str, Any], chat: bool = False) -> str | None:
     # refuses: left to the decode worker, its 400 costs no prefill and no KV held for a pull
     if doc.get("stream_options") is not None and not _set(doc.get("stream")):
         return "stream_options without stream (the engine refuses it)"
-    least = _int(doc.get("min_tokens"), 0)
+    least = _int(doc.get("min_tokens"), -1) if doc.get("min_tokens") is not None else 0
     most = asked_tokens(doc, chat)
     if most is None and not chat:
         most = 16  # vLLM's default for a completion (normalize_null_max_tokens)
     if least < 0 or (most is not None and least > most):
         return "min_tokens outside 0..max_tokens (the engine refuses it)"
+    if most is not None and most < 1:  # the prefill leg would ask for 1
+        return "max_tokens below 1 (the engine refuses it)"
     return None
 
 
