@@ -48,6 +48,18 @@ async def pool_of(url: str) -> AsyncIterator[WorkerPool]:
         await client.aclose()
 
 
+@asynccontextmanager
+async def one_worker() -> AsyncIterator[tuple[SimWorker, WorkerPool, str]]:
+    """A simulated worker, a pool over it, and its name in the fleet."""
+    worker = SimWorker(SIM)
+    await worker.start()
+    try:
+        async with pool_of(worker.url) as pool:
+            yield worker, pool, f"127.0.0.1:{worker.port}"
+    finally:
+        await worker.stop()
+
+
 async def prompt(worker: SimWorker, text: str) -> None:
     body = {"model": worker.config.model, "prompt": text, "max_tokens": 2}
     async with httpx.AsyncClient(timeout=10) as client:
@@ -90,49 +102,37 @@ def eject_by_timeouts(pool: WorkerPool, name: str) -> None:
 async def test_a_worker_back_from_a_blip_keeps_its_cache_and_subscription(
     eject: Callable[[WorkerPool, str], None],
 ) -> None:
-    worker = SimWorker(SIM)
-    await worker.start()
-    try:
-        async with pool_of(worker.url) as pool:
-            name = f"127.0.0.1:{worker.port}"
-            index = pool.fleet.index
-            await prompt(worker, DOC)
-            await until(lambda: index.entries_of(name) > 0, "the prompt's blocks indexed")
-            known, task = index.entries_of(name), pool.handles[name].feeds[0].task
-            eject(pool, name)
-            assert not pool.handles[name].available
-            await pool.checks.health()  # its engine answers: re-admitted
-            assert pool.handles[name].available
-            assert index.entries_of(name) == known  # the same engine holds the same blocks
-            assert pool.handles[name].feeds[0].task is task
-            await prompt(worker, "another document entirely. " * 30)
-            await until(lambda: index.entries_of(name) > known, "new blocks indexed")
-    finally:
-        await worker.stop()
+    async with one_worker() as (worker, pool, name):
+        index = pool.fleet.index
+        await prompt(worker, DOC)
+        await until(lambda: index.entries_of(name) > 0, "the prompt's blocks indexed")
+        known, task = index.entries_of(name), pool.handles[name].feeds[0].task
+        eject(pool, name)
+        assert not pool.handles[name].available
+        await pool.checks.health()  # its engine answers: re-admitted
+        assert pool.handles[name].available
+        assert index.entries_of(name) == known  # the same engine holds the same blocks
+        assert pool.handles[name].feeds[0].task is task
+        await prompt(worker, "another document entirely. " * 30)
+        await until(lambda: index.entries_of(name) > known, "new blocks indexed")
 
 
 async def test_a_worker_back_in_rotation_does_not_wait_on_requests_it_was_taken_from() -> None:
     """A request sent with a new prefix, then failed over when its worker was ejected,
     stores nothing there: the worker back in rotation is not called silent for it."""
-    worker = SimWorker(SIM)
-    await worker.start()
-    try:
-        async with pool_of(worker.url) as pool:
-            name = f"127.0.0.1:{worker.port}"
-            await prompt(worker, DOC)
-            await until(lambda: pool.fleet.index.entries_of(name) > 0, "blocks indexed")
-            health = pool.fleet.workers[name].health
-            assert health is not None
-            health.grace_s = 0.0  # any block awaited is overdue at once
-            health.note_request(True)  # sent with a new prefix (the picker's commit)...
-            assert health.report().state.value != "OK"
-            eject_by_connect_failure(pool, name)  # ...and failed over at the ejection
-            await pool.checks.health()  # its engine answers: re-admitted
-            assert pool.handles[name].available
-            assert pool.fleet.workers[name].health is health  # what it knew is kept...
-            assert health.report().state.value == "OK", health.report()  # ...not the wait
-    finally:
-        await worker.stop()
+    async with one_worker() as (worker, pool, name):
+        await prompt(worker, DOC)
+        await until(lambda: pool.fleet.index.entries_of(name) > 0, "blocks indexed")
+        health = pool.fleet.workers[name].health
+        assert health is not None
+        health.grace_s = 0.0  # any block awaited is overdue at once
+        health.note_request(True)  # sent with a new prefix (the picker's commit)...
+        assert health.report().state.value != "OK"
+        eject_by_connect_failure(pool, name)  # ...and failed over at the ejection
+        await pool.checks.health()  # its engine answers: re-admitted
+        assert pool.handles[name].available
+        assert pool.fleet.workers[name].health is health  # what it knew is kept...
+        assert health.report().state.value == "OK", health.report()  # ...not the wait
 
 
 async def test_an_engine_restarted_while_ejected_is_forgotten_at_readmission() -> None:
@@ -267,34 +267,28 @@ async def test_a_hold_follows_timeout_ejections_with_no_answer_or_token_between(
     ejection for timeouts in a row it is held out though /health answers. An answer after
     a re-admission starts the count anew (that was a stall), and a token its engine
     generates ends a hold early."""
-    worker = SimWorker(SIM)
-    await worker.start()
-    try:
-        async with pool_of(worker.url) as pool:
-            name = f"127.0.0.1:{worker.port}"
-            h = pool.handles[name]
-            await pool.checks.scrape()  # the engine's token count so far
-            eject_by_timeouts(pool, name)
-            await pool.checks.health()
-            assert h.available  # the first ejection ends at a passing /health
-            pool.note_answered(name)
-            eject_by_timeouts(pool, name)
-            await pool.checks.health()
-            assert h.available  # an answer came between: the first in a row again
-            eject_by_timeouts(pool, name)
-            await pool.checks.health()
-            assert not h.available  # the second in a row: held
-            assert 8 < pool.held(h) <= pool.config.timeout_hold_s
-            assert "--timeout-hold" in h.last_error
-            await pool.checks.scrape()
-            await pool.checks.health()
-            assert not h.available  # no token yet
-            await prompt(worker, DOC)
-            await pool.checks.scrape()  # its engine generated: not hung after all
-            await pool.checks.health()
-            assert h.available and pool.held(h) == 0
-    finally:
-        await worker.stop()
+    async with one_worker() as (worker, pool, name):
+        h = pool.handles[name]
+        await pool.checks.scrape()  # the engine's token count so far
+        eject_by_timeouts(pool, name)
+        await pool.checks.health()
+        assert h.available  # the first ejection ends at a passing /health
+        pool.note_answered(name)
+        eject_by_timeouts(pool, name)
+        await pool.checks.health()
+        assert h.available  # an answer came between: the first in a row again
+        eject_by_timeouts(pool, name)
+        await pool.checks.health()
+        assert not h.available  # the second in a row: held
+        assert 8 < pool.held(h) <= pool.config.timeout_hold_s
+        assert "--timeout-hold" in h.last_error
+        await pool.checks.scrape()
+        await pool.checks.health()
+        assert not h.available  # no token yet
+        await prompt(worker, DOC)
+        await pool.checks.scrape()  # its engine generated: not hung after all
+        await pool.checks.health()
+        assert h.available and pool.held(h) == 0
 
 
 async def test_a_health_check_under_way_at_an_ejection_does_not_undo_it(
@@ -303,32 +297,26 @@ async def test_a_health_check_under_way_at_an_ejection_does_not_undo_it(
     """A worker ejected while a health check awaits its answers stays out: the check's
     answers came before the fault (else a hold, or any ejection, lasts until whichever
     check happened to be in flight)."""
-    worker = SimWorker(SIM)
-    await worker.start()
-    try:
-        async with pool_of(worker.url) as pool:
-            name = f"127.0.0.1:{worker.port}"
-            h = pool.handles[name]
-            await pool.checks.health()
-            asking, go_on = asyncio.Event(), asyncio.Event()
-            refresh = pool.checks.refresh_models
+    async with one_worker() as (_, pool, name):
+        h = pool.handles[name]
+        await pool.checks.health()
+        asking, go_on = asyncio.Event(), asyncio.Event()
+        refresh = pool.checks.refresh_models
 
-            async def slow_refresh(*args: object, **kw: object) -> None:
-                asking.set()
-                await go_on.wait()
-                await refresh(*args, **kw)  # type: ignore[arg-type]
+        async def slow_refresh(*args: object, **kw: object) -> None:
+            asking.set()
+            await go_on.wait()
+            await refresh(*args, **kw)  # type: ignore[arg-type]
 
-            monkeypatch.setattr(pool.checks, "refresh_models", slow_refresh)
-            check = asyncio.create_task(pool.checks.health())
-            await asyncio.wait_for(asking.wait(), 5)
-            eject_by_timeouts(pool, name)  # while the check waits on the worker
-            go_on.set()
-            await check
-            assert not h.available
-            await pool.checks.health()  # a check begun after the ejection re-admits it
-            assert h.available
-    finally:
-        await worker.stop()
+        monkeypatch.setattr(pool.checks, "refresh_models", slow_refresh)
+        check = asyncio.create_task(pool.checks.health())
+        await asyncio.wait_for(asking.wait(), 5)
+        eject_by_timeouts(pool, name)  # while the check waits on the worker
+        go_on.set()
+        await check
+        assert not h.available
+        await pool.checks.health()  # a check begun after the ejection re-admits it
+        assert h.available
 
 
 async def test_a_whole_engine_hung_over_its_ranks_is_held_at_its_second_ejection() -> None:
