@@ -513,9 +513,8 @@ class WorkerPool:
             # every endpoint that timed out with no answer since counts it: a whole engine
             # hung spreads its timeouts over its data-parallel ranks, and counted by the
             # tipping rank alone it would be held only once some rank came round again
-            for e, count in h.timeouts_by.items():
-                if count > 0:
-                    h.timeout_ejections[e] = h.timeout_ejections.get(e, 0) + 1
+            for e in h.timeouts_by:  # entries go at an answer: each has timed out since
+                h.timeout_ejections[e] = h.timeout_ejections.get(e, 0) + 1
             n = max(h.timeout_ejections.values())
             if n > 1 and self.config.timeout_hold_s > 0:
                 hold_s = self.config.timeout_hold_s * 2 ** min(n - 2, HOLD_DOUBLINGS)

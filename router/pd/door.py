@@ -254,7 +254,7 @@ class PDDoor:
         doc: dict[str, Any],
     ) -> None:
         assert plan.prefill is not None
-        gone = self._decode_gone_since(plan.decode)
+        gone = self._gone_since(plan.decode, "decode")
         if gone is not None:
             # removed or ejected while the prefill side was decided: the proxy's way
             # decides again
@@ -278,13 +278,14 @@ class PDDoor:
         self.metrics.prefill_leg.observe(answer.seconds)
         await self._decode(r, send, local, plan, answer.params, ticket)
 
-    def _decode_gone_since(self, worker: str) -> str | None:
-        """Why the decode worker can no longer take the split (None: it can). A drain lets
-        it finish what it was given, so only removal and ejection count."""
+    def _gone_since(self, worker: str, leg: str) -> str | None:
+        """Why `worker` can no longer take its `leg` (prefill, decode) of a split since the
+        decision, as the fallback's cause (None: it can). A drain lets it finish what it
+        was given, so only removal and ejection (hung, unreachable) count."""
         state = self.svc.fleet.workers.get(worker)
         if state is None:
-            return "decode_removed"
-        return None if state.available else "decode_unavailable"
+            return f"{leg}_removed"
+        return None if state.available else f"{leg}_unavailable"
 
     async def _prefill(
         self, r: ClientRequest, plan: m.Plan, pdec: Decision, doc: dict[str, Any]
@@ -294,12 +295,11 @@ class PDDoor:
         assert worker is not None
         h = self.pool.handle_of(worker)
         state = self.svc.fleet.workers.get(worker)
-        if h is None or state is None:  # removed since the decision
-            self.metrics.fallbacks.labels("prefill_removed").inc()
-            return "prefill_removed"
-        if not state.available:  # ejected since the decision (hung, unreachable)
-            self.metrics.fallbacks.labels("prefill_unavailable").inc()
-            return "prefill_unavailable"
+        gone = self._gone_since(worker, "prefill")
+        if gone is not None or h is None or state is None:
+            gone = gone or "prefill_removed"
+            self.metrics.fallbacks.labels(gone).inc()
+            return gone
         # a leg that queued behind others on P times its queue too: as on the local path,
         # only one sent to a worker with nothing before it teaches P's prefill rate
         alone = self.svc.fleet.load.view(worker).prefill_tokens == 0
@@ -365,7 +365,7 @@ class PDDoor:
         worker = plan.decode
         h = self.pool.handle_of(worker)
         state = self.svc.fleet.workers.get(worker)
-        gone = self._decode_gone_since(worker)
+        gone = self._gone_since(worker, "decode")
         if h is None or state is None or gone is not None:
             gone = gone or "decode_removed"
             self.svc.release(ticket)
