@@ -23,6 +23,17 @@ class EventSource:
     rank: int = 0
 
 
+def connectable(endpoint: str, host: str) -> str:
+    """An endpoint a subscriber can dial: `tcp://*:5557` is how an engine binds (vLLM's
+    default), so a wildcard host becomes the worker's own."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    bind_host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    if bind_host in ("*", "0.0.0.0", "", "[::]", "::"):
+        bind_host = f"[{host}]" if ":" in host else host
+    return f"tcp://{bind_host}:{port}"
+
+
 @dataclass(frozen=True)
 class RankLoad:
     """Load gauges of one data-parallel rank (vLLM's `engine` label)."""

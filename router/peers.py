@@ -332,7 +332,7 @@ class PlacementLink:
         try:
             infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
             mine = await _own_addresses()
-        except OSError as exc:
+        except (OSError, UnicodeError) as exc:
             log.error("peers_dns %s: %s (keeping the current peers)", self.peers_dns, exc)
             return
         ips = {str(info[4][0]) for info in infos} - mine

@@ -19,6 +19,7 @@ from router.core.config import (
     REMOTE,
     Config,
     env_notes,
+    env_read,
     env_var,
     from_env,
     from_mapping,
@@ -467,7 +468,7 @@ def load_config(args: argparse.Namespace, environ: dict[str, str] | None = None)
         env = os.environ if environ is None else environ
         var = env_var(err)
         field = var.removeprefix(ENV_PREFIX).lower()
-        if field and field not in flags and var in env:
+        if field and field not in flags and var in env and env_read(var, env[var]):
             raise ConfigError(f"{shown(var, env[var])}: {err.message}", param=err.param) from None
         raise
 

@@ -170,7 +170,7 @@ class WorkerSources:
             entries = raw.get("workers", raw) if isinstance(raw, dict) else raw
             workers = parse_workers(entries, f"workers_file {path}: workers")
             validate_workers(workers, self.config.mode, whole=False)
-        except (OSError, yaml.YAMLError) as exc:
+        except (OSError, UnicodeError, yaml.YAMLError) as exc:  # not UTF-8: a half-written save
             log.error("workers file %s: %s (keeping the current list)", path, exc)
             return False
         except ConfigError as err:
@@ -183,8 +183,13 @@ class WorkerSources:
     async def _watch_file(self) -> None:
         while True:
             await asyncio.sleep(FILE_POLL_S)
-            if self._read_file():
-                await self._apply(f"workers file {self.config.workers_file}")
+            # a pass that fails is logged and the next one tried: a watcher that died would
+            # leave every later edit unread, silently
+            try:
+                if self._read_file():
+                    await self._apply(f"workers file {self.config.workers_file}")
+            except Exception:
+                log.exception("workers file %s: re-reading failed", self.config.workers_file)
 
     # ---- DNS -------------------------------------------------------------------------
 
@@ -197,7 +202,7 @@ class WorkerSources:
             infos = await asyncio.get_running_loop().getaddrinfo(
                 host, int(port), type=socket.SOCK_STREAM
             )
-        except OSError as exc:
+        except (OSError, UnicodeError) as exc:
             log.error("workers_dns %s: %s (keeping the current workers)", host, exc)
             return False
         ips, said = one_family(infos)
@@ -213,5 +218,8 @@ class WorkerSources:
     async def _watch_dns(self) -> None:
         while True:
             await asyncio.sleep(self.config.dns_interval_s)
-            if await self._resolve():
-                await self._apply(f"workers_dns {self.config.workers_dns}")
+            try:  # as the file's watcher: one failed pass must not end the watching
+                if await self._resolve():
+                    await self._apply(f"workers_dns {self.config.workers_dns}")
+            except Exception:
+                log.exception("workers_dns %s: resolving failed", self.config.workers_dns)

@@ -22,7 +22,7 @@ import httpx
 import zmq.asyncio
 
 from engines import ADAPTERS
-from engines.base import EngineAdapter, EngineMetrics, EventSource
+from engines.base import EngineAdapter, EngineMetrics, EventSource, connectable
 from indexer.clock import Clock
 from indexer.health import HealthTracker
 from indexer.ingest import WorkerIngest
@@ -349,8 +349,9 @@ class WorkerPool:
         """The worker's KV event publishers; None when it could not be asked (unreachable,
         or a server error): not the same as a worker that publishes none."""
         w = h.config
-        if w.events:
-            return [EventSource(w.events, w.replay, w.topic or "")]
+        if w.events:  # as vLLM's own config would say it: tcp://*:5557 dials the worker
+            replay = connectable(w.replay, h.host) if w.replay else None
+            return [EventSource(connectable(w.events, h.host), replay, w.topic or "")]
         path = h.adapter.event_sources_path
         try:
             resp = await self.client.get(h.url + path, headers=h.auth)
@@ -403,7 +404,7 @@ class WorkerPool:
             ips, _ = one_family(infos)
             ip = ips[0] if ips else h.host
             address = f"[{ip}]:{h.port}" if ":" in ip else f"{ip}:{h.port}"
-        except OSError:
+        except (OSError, UnicodeError):  # unresolvable now: the name, until it resolves
             pass
         h.address = address
         for state in h.states:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 import pytest
@@ -259,3 +260,75 @@ def test_a_variable_that_may_hold_a_secret_is_named_without_its_value() -> None:
     assert err.value.message.startswith("KVROUTE_WORKERS (value not shown): ")
     assert shown("KVROUTE_ADMIN_TOKEN", "t0k") == "KVROUTE_ADMIN_TOKEN (value not shown)"
     assert shown("KVROUTE_MODE", "exact") == "KVROUTE_MODE='exact'"
+
+
+ONE = (WorkerConfig("http://h:8000"),)
+
+
+@pytest.mark.parametrize("name", ["drain_timeout_s", "keep_alive_timeout_s", "request_timeout_s"])
+def test_an_infinite_timeout_is_refused_with_a_finite_one_named(name: str) -> None:
+    with pytest.raises(ConfigError, match="finite number of seconds") as err:
+        Config(workers=ONE, **{name: math.inf}).validate()
+    assert err.value.param == name
+
+
+def test_an_empty_admin_token_is_refused_not_left_locking_admin_out() -> None:
+    with pytest.raises(ConfigError, match="is empty") as err:
+        Config(workers=ONE, admin_token="").validate()
+    assert err.value.param == "admin_token"
+    assert Config(workers=ONE, admin_token="t").validate().admin_token == "t"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "ok"),
+    [
+        ("tcp://*:5557", True),
+        ("tcp://10.0.0.5:5557", True),
+        ("tcp://vllm-0.vllm:5557", True),
+        ("tcp://", False),
+        ("tcp://*:0", False),
+        ("tcp://h:70000", False),
+        ("tcp://bad..host:5557", False),
+        ("ipc:///tmp/kv", False),
+    ],
+)
+def test_a_worker_event_endpoint_is_tcp_host_and_port(endpoint: str, ok: bool) -> None:
+    config = Config(workers=(WorkerConfig("http://h:8000", events=endpoint),))
+    if ok:
+        config.validate()
+        return
+    with pytest.raises(ConfigError, match="tcp://HOST:PORT") as err:
+        config.validate()
+    assert err.value.param == "workers[0].events"
+
+
+@pytest.mark.parametrize("field_name", ["workers_dns", "peers_dns"])
+def test_a_dns_name_with_an_empty_label_is_refused(field_name: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        Config(workers=ONE, **{field_name: "vllm-workers..default.svc:8000"}).validate()
+    assert err.value.param == field_name
+
+
+def test_mapping_fields_in_the_environment_are_named_as_unread() -> None:
+    env = {"KVROUTE_TOKENIZERS": "m=remote", "KVROUTE_SCORING": "{}", "KVROUTE_MODE": "events"}
+    notes = env_notes(env)
+    assert any("KVROUTE_TOKENIZERS is not read" in n and "--tokenizer" in n for n in notes)
+    assert any("KVROUTE_SCORING is not read" in n for n in notes)
+    assert not any("KVROUTE_MODE" in n for n in notes)
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "env"),
+    [
+        ("port: 70000\n", {"KVROUTE_PORT": "tcp://10.0.0.5:8000"}),  # a service link
+        ("scoring: {weights: {lod: 0.5}}\n", {"KVROUTE_SCORING": '{"weights": {}}'}),
+    ],
+)
+def test_a_config_error_is_not_blamed_on_a_variable_kvroute_did_not_read(
+    tmp_path: Path, yaml_text: str, env: dict[str, str]
+) -> None:
+    yaml_file = tmp_path / "kvroute.yaml"
+    yaml_file.write_text("workers: [http://h:8000]\n" + yaml_text)
+    with pytest.raises(ConfigError) as err:
+        load_config(args(config=yaml_file), env)
+    assert "KVROUTE_" not in err.value.message, err.value.message

@@ -198,3 +198,83 @@ async def test_every_worker_list_change_is_kept_for_a_later_sibling(tmp_path: Pa
     await sources._set((b,), "workers file")
     later = WorkerSources(Config(), pool, state)  # type: ignore[arg-type]
     assert later._read_admin_state() == []
+
+
+async def test_a_workers_file_not_utf8_or_naming_a_bad_host_is_refused_and_watched_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A save in another encoding, or a typo in a host name, is refused like any bad entry:
+    the watcher keeps reading, so the operator's next fix is applied."""
+    async with run_fleet(2, SIM) as fleet:
+        a, b = fleet.urls
+        path = tmp_path / "workers.yaml"
+        path.write_text(f"- {a}\n")
+        app = RouterApp(
+            Config(workers_file=str(path), tokenizer=str(PACKAGED_TOKENIZER)).validate()
+        )
+        caplog.set_level(logging.WARNING, logger="kvroute.workers")
+        async with serve_in_process(app):
+            assert await names_of(app, 1) == [a.split("//")[1]]
+            before = path.stat().st_mtime_ns
+            path.write_bytes(f"# M\xfcller's fleet\n- {a}\n- {b}\n".encode("latin-1"))
+            os.utime(path, ns=(before + 10_000_000, before + 10_000_000))
+            await logged(caplog, "can't decode")
+            rewrite(path, f"- {a}\n- http://vllm-1..svc:8000\n")
+            await logged(caplog, "is not an http(s)://HOST:PORT URL")
+            assert sorted(app.pool.handles) == [a.split("//")[1]]
+            rewrite(path, f"- {a}\n- {b}\n")
+            assert len(await names_of(app, 2)) == 2
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("http://bad..host:8000", "is not an http(s)://HOST:PORT URL"),
+        ("http://u:s3cret@127.0.0.1:8000", "carries credentials"),
+        ("http://127.0.0.1:8000/foo", "HOST:PORT only"),
+        ("http://127.0.0.1:8000?x=1", "HOST:PORT only"),
+    ],
+)
+async def test_the_admin_api_refuses_a_worker_url_requests_could_not_use(
+    url: str, says: str
+) -> None:
+    async with run_fleet(1, SIM) as fleet:
+        config = Config(
+            workers=(WorkerConfig(fleet.urls[0]),),
+            tokenizer=str(PACKAGED_TOKENIZER),
+            admin_insecure=True,
+        )
+        app = RouterApp(config.validate())
+        async with serve_in_process(app) as base, httpx.AsyncClient(base_url=base) as client:
+            resp = await client.post("/admin/workers", json={"workers": [fleet.urls[0], url]})
+            assert resp.status_code == 400, resp.text
+            assert says in resp.json()["error"]["message"]
+            assert "s3cret" not in resp.text
+            assert sorted(app.pool.handles) == [fleet.urls[0].split("//")[1]]
+            listed = (await client.get("/admin/workers")).json()
+            assert url.split("//")[1] not in json.dumps(listed)
+
+
+async def test_a_configured_wildcard_event_endpoint_is_dialled_at_the_worker() -> None:
+    """`events: tcp://*:PORT` is how vLLM's own --kv-events-config names it."""
+    async with run_fleet(1, SIM) as fleet:
+        sim = fleet.workers[0]
+        port = sim.events_endpoint.rpartition(":")[2]
+        replay = sim.replay_endpoint.rpartition(":")[2]
+        worker = WorkerConfig(
+            fleet.urls[0], events=f"tcp://*:{port}", replay=f"tcp://*:{replay}", topic="kv-events"
+        )
+        config = Config(workers=(worker,), tokenizer=str(PACKAGED_TOKENIZER), mode="events")
+        app = RouterApp(config.validate())
+        async with serve_in_process(app) as base, httpx.AsyncClient(base_url=base) as client:
+            prompt = " ".join(f"word{i}" for i in range(200))
+            body = {"model": "kvroute-sim", "prompt": prompt, "max_tokens": 1}
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+            home = fleet.urls[0].split("//")[1]
+            for _ in range(250):
+                if app.fleet.index.entries_of(home) > 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert app.fleet.index.entries_of(home) > 0  # the worker's stored blocks arrived
+            (report,) = (await client.get("/health")).json()["workers"]
+            assert f"127.0.0.1:{port}" in json.dumps(report), report

@@ -9,7 +9,7 @@ from urllib.parse import urlsplit
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines.base import EngineMetrics, EventSource, RankLoad
+from engines.base import EngineMetrics, EventSource, RankLoad, connectable
 from engines.vllm.metrics_text import Sample, Unparsed, wanted_samples
 
 
@@ -49,25 +49,14 @@ def _source(cfg: Any, host: str, rank: int) -> EventSource | None:
         return None
     if cfg.get("publisher") not in ("zmq", None):
         return None
-    endpoint = _connectable(str(cfg.get("endpoint") or "tcp://*:5557"), host)
+    endpoint = connectable(str(cfg.get("endpoint") or "tcp://*:5557"), host)
     replay = cfg.get("replay_endpoint")
     return EventSource(
         endpoint=endpoint,
-        replay_endpoint=_connectable(str(replay), host) if replay else None,
+        replay_endpoint=connectable(str(replay), host) if replay else None,
         topic=str(cfg.get("topic") or ""),
         rank=rank,
     )
-
-
-def _connectable(endpoint: str, host: str) -> str:
-    """tcp://*:5557 is how vLLM binds; a subscriber must dial the worker's own address."""
-    if not endpoint.startswith("tcp://"):
-        return endpoint
-    addr = endpoint[len("tcp://") :]
-    bind_host, _, port = addr.rpartition(":")
-    if bind_host in ("*", "0.0.0.0", "", "[::]", "::"):
-        bind_host = f"[{host}]" if ":" in host else host
-    return f"tcp://{bind_host}:{port}"
 
 
 def parse_metrics(text: str) -> EngineMetrics:

@@ -5,6 +5,8 @@ ConfigError, never a traceback."""
 
 from __future__ import annotations
 
+import ipaddress
+import math
 import os
 import random
 import re
@@ -205,7 +207,7 @@ class Config:
         if self.workers_dns is not None:
             host, _, port = self.workers_dns.rpartition(":")
             _check(
-                bool(host) and port.isdigit() and 1 <= int(port) <= 65535,
+                host_ok(host) and port.isdigit() and 1 <= int(port) <= 65535,
                 "workers_dns",
                 f"{self.workers_dns!r}: use HOST:PORT, e.g. vllm-workers.default.svc:8000",
             )
@@ -236,7 +238,12 @@ class Config:
             "drain_timeout_s",
         ):
             _check(getattr(self, name) > 0, name, "must be a positive number of seconds")
-        _check(self.drain_delay_s >= 0, "drain_delay_s", "must be >= 0 seconds")
+            _check(
+                math.isfinite(getattr(self, name)),
+                name,
+                "must be a finite number of seconds (for no practical limit, e.g. 86400)",
+            )
+        _check(0 <= self.drain_delay_s < math.inf, "drain_delay_s", "must be >= 0 seconds, finite")
         _check(
             0 <= self.peer_wait_ms <= 1000,
             "peer_wait_ms",
@@ -247,6 +254,12 @@ class Config:
         _check(self.timeout_hold_s >= 0, "timeout_hold_s", "must be >= 0 seconds (0: no hold)")
         _check(self.warm_connections >= 0, "warm_connections", "must be >= 0 (0: off)")
         _check(self.log_format in ("text", "json"), "log_format", "use text or json")
+        _check(
+            self.admin_token is None or self.admin_token.strip() != "",
+            "admin_token",
+            "is empty (an empty Secret key?): set a token, or leave it unset to turn /admin "
+            "and /debug off",
+        )
         _check(
             (self.tls_cert is None) == (self.tls_key is None),
             "tls_cert",
@@ -310,7 +323,7 @@ class Config:
         ]:
             if value is not None:
                 _check(
-                    _PEER_ENDPOINT.match(value) is not None,
+                    _PEER_ENDPOINT.match(value) is not None and _endpoint_ok(value),
                     name,
                     f"{value!r}: use tcp://HOST:PORT (tcp://0.0.0.0:5570 to publish on every "
                     "interface, tcp://kvroute-1.kvroute:5570 for a peer)",
@@ -318,7 +331,7 @@ class Config:
         if self.peers_dns is not None:
             host, _, port = self.peers_dns.rpartition(":")
             _check(
-                bool(host) and port.isdigit() and 1 <= int(port) <= 65535,
+                host_ok(host) and port.isdigit() and 1 <= int(port) <= 65535,
                 "peers_dns",
                 f"{self.peers_dns!r}: use HOST:PORT, e.g. kvroute-peers.default.svc:5570",
             )
@@ -447,8 +460,16 @@ def validate_workers(
     for i, w in enumerate(workers):
         where = f"workers[{i}]"
         parts = urlsplit(w.url)
+        # first, as the messages below show the URL; a worker's name (host:port) is in
+        # headers, metrics and logs, so credentials in it would be on show
         _check(
-            parts.scheme in ("http", "https") and bool(parts.hostname),
+            "@" not in parts.netloc,
+            f"{where}.url",
+            f"the URL of {parts.netloc.rpartition('@')[2]} carries credentials: give "
+            "http(s)://HOST:PORT, and the engine's --api-key as api_key (or --worker-api-key)",
+        )
+        _check(
+            parts.scheme in ("http", "https") and host_ok(parts.hostname or ""),
             f"{where}.url",
             f"{w.url!r} is not an http(s)://HOST:PORT URL",
         )
@@ -456,6 +477,13 @@ def validate_workers(
             parts.port  # noqa: B018  # raises on a port that is not a number
         except ValueError:
             raise fail(f"{where}.url", f"{w.url!r} has a bad port") from None
+        # requests go to the worker's root: a path would reach only the probes
+        _check(
+            parts.path in ("", "/") and not parts.query and not parts.fragment,
+            f"{where}.url",
+            f"{w.url!r}: give http(s)://HOST:PORT only; requests are sent to the worker's "
+            "/v1/... at its root",
+        )
         _check(w.name not in seen, f"{where}.url", f"{w.url} is listed twice")
         seen.add(w.name)
         if w.mode is not None:
@@ -463,7 +491,11 @@ def validate_workers(
         for key in ("events", "replay"):
             ep = getattr(w, key)
             if ep is not None:
-                _check(ep.startswith("tcp://"), f"{where}.{key}", f"{ep!r}: use tcp://H:P")
+                _check(
+                    _endpoint_ok(ep, wildcard=True),
+                    f"{where}.{key}",
+                    f"{ep!r}: use tcp://HOST:PORT (tcp://*:PORT: the worker's own host)",
+                )
         if w.block_size is not None:
             _check(w.block_size > 0, f"{where}.block_size", "must be positive")
         _check(w.role in ROLES, f"{where}.role", f"{w.role!r} not in {', '.join(ROLES)}")
@@ -475,6 +507,34 @@ def validate_workers(
         "prefill workers need a decode worker to hand off to: add --decode-worker URL (or a "
         "worker with role decode or both)",
     )
+
+
+def host_ok(host: str) -> bool:
+    """A host name a resolver can take (no empty label or one over 63 characters), or an
+    IP address."""
+    if not host:
+        return False
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return True
+    except ValueError:
+        pass
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        return False
+    return not any(c.isspace() or c in "/@?#" for c in host)
+
+
+def _endpoint_ok(endpoint: str, wildcard: bool = False) -> bool:
+    """tcp://HOST:PORT with a port in 1..65535; `wildcard`: HOST may be `*` (how an
+    engine binds: dialled at the worker's host)."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    if not (port.isdigit() and 1 <= int(port) <= 65535):
+        return False
+    return (wildcard and host == "*") or host_ok(host)
 
 
 def _check(ok: bool, field_name: str, problem: str) -> None:
@@ -564,6 +624,22 @@ def service_link(var: str, value: str) -> bool:
     return bool(_LINK_NAME.match(var))
 
 
+# mappings, which a variable cannot spell: the config file sets them (and the flags that
+# take MODEL=VALUE)
+ENV_UNREAD = {
+    "scoring": "set scoring in the config file",
+    "tokenizers": "set tokenizers in the config file, or --tokenizer MODEL=PATH",
+    "chat_templates": "set chat_templates in the config file, or --chat-template MODEL=FILE",
+    "policy_params": "set policy_params in the config file",
+}
+
+
+def env_read(var: str, value: str) -> bool:
+    """Whether `from_env` takes this KVROUTE_* variable: not a mapping field, and not a
+    Kubernetes service link."""
+    return var.removeprefix(ENV_PREFIX).lower() not in ENV_UNREAD and not service_link(var, value)
+
+
 def env_notes(environ: dict[str, str] | None = None) -> list[str]:
     """What an operator should hear of the KVROUTE_* environment: variables kvroute does
     not read (a misspelt field), with the nearest field, and service links it skipped."""
@@ -581,6 +657,10 @@ def env_notes(environ: dict[str, str] | None = None) -> list[str]:
                     f"{var}={value!r} is a Kubernetes service link, not kvroute's setting: "
                     "ignored (set enableServiceLinks: false in the pod spec)"
                 )
+            continue
+        field_name = var[len(ENV_PREFIX) :].lower()
+        if var in names and field_name in ENV_UNREAD:
+            notes.append(f"{var} is not read from the environment: {ENV_UNREAD[field_name]}")
             continue
         if var in names:
             continue
@@ -614,9 +694,7 @@ def from_env(base: Config, environ: dict[str, str] | None = None) -> Config:
     for f in fields(Config):
         var = ENV_PREFIX + f.name.upper()
         raw = env.get(var)
-        if raw is None or f.name in ("scoring", "tokenizers", "chat_templates", "policy_params"):
-            continue
-        if service_link(var, raw):
+        if raw is None or not env_read(var, raw):
             continue
         if f.name in ("workers", "peers"):
             values[f.name] = [u.strip() for u in raw.split(",") if u.strip()]
