@@ -8,7 +8,6 @@ forwarding in `router.proxy`; the router's own endpoints in `router.control`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import random
@@ -286,8 +285,7 @@ class RouterApp:
         await self.sources.stop()
         if self._warm is not None:
             self._warm.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._warm
+            await asyncio.gather(self._warm, return_exceptions=True)
         self.upstream.close()
         await self.client.aclose()
 

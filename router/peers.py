@@ -301,8 +301,7 @@ class PlacementLink:
         for task in (self._dns_task, self._task, self._tick_task, self._relay_task):
             if task is not None:
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await asyncio.gather(task, return_exceptions=True)
         self._dns_task = self._task = self._tick_task = self._relay_task = None
         for sock in (self._pub, self._sub, self._relay_pub, self._relay_sub):
             if sock is not None:

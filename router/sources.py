@@ -8,7 +8,6 @@ admin body is refused with the field named and the current list kept."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
@@ -72,9 +71,7 @@ class WorkerSources:
     async def stop(self) -> None:
         for t in self._tasks:
             t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.pool.stop()
 
     # ---- the admin API's changes, across --processes --------------------------------

@@ -10,7 +10,6 @@ owns both). Worker lists from every source (config, file, DNS, admin API) arrive
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import socket
 from collections.abc import Callable
@@ -166,6 +165,10 @@ class WorkerPool:
         self.clock = clock
         self.tokenizers = tokenizers
         self.handles: dict[str, WorkerHandle] = {}
+        # one list change at a time: one that removes a worker waits for its feeds to stop,
+        # and another (DNS, the file, the admin API) adding it back meanwhile would have its
+        # new endpoints taken out of the fleet by the first one's removal
+        self._reconciling = asyncio.Lock()
         self.checks = WorkerChecks(self)
         # called when a worker is taken out of rotation as dead or hung (the app fails the
         # requests in flight to it, so they can be retried elsewhere)
@@ -195,9 +198,7 @@ class WorkerPool:
         await self.checks.stop()
         for h in list(self.handles.values()):
             await self._stop_feeds(h)
-        for task in self._loops:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await asyncio.gather(*self._loops, return_exceptions=True)
         if self._zmq is not None:
             self._zmq.destroy(linger=0)
             self._zmq = None
@@ -214,20 +215,23 @@ class WorkerPool:
     async def set_workers(self, workers: tuple[WorkerConfig, ...]) -> None:
         """Reconcile to a new, validated worker list (start-up, file, DNS, admin API)."""
         wanted = {w.name: w for w in workers}
-        for name in [
-            n for n in self.handles if n not in wanted or self.handles[n].config != wanted[n]
-        ]:
-            h = self.handles.pop(name)
-            async with h.lock:  # a rediscovery in flight subscribes first, then stops here
-                await self._stop_feeds(h)
-            names = [state.name for state in h.states]
-            for name in names:
-                self.fleet.remove(name)
-            self._removed(h, names)
-        new = [w for name, w in wanted.items() if name not in self.handles]
-        for w in new:
-            self.handles[w.name] = self._handle(w)
-        await asyncio.gather(*(self.discover_once(self.handles[w.name]) for w in new))
+        async with self._reconciling:
+            for name in [
+                n for n in self.handles if n not in wanted or self.handles[n].config != wanted[n]
+            ]:
+                h = self.handles.pop(name)
+                async with h.lock:  # a rediscovery in flight subscribes first, then stops here
+                    await self._stop_feeds(h)
+                names = [state.name for state in h.states]
+                for name in names:
+                    self.fleet.remove(name)
+                self._removed(h, names)
+            new = [self._handle(w) for name, w in wanted.items() if name not in self.handles]
+            for h in new:
+                self.handles[h.name] = h
+        # discovery (HTTP, seconds on a slow worker) outside the lock; `discover_once` skips a
+        # worker a later change removed meanwhile
+        await asyncio.gather(*(self.discover_once(h) for h in new))
 
     async def discover_once(self, h: WorkerHandle) -> None:
         """`discover`, unless another caller did it or the worker was removed meanwhile."""
@@ -276,8 +280,10 @@ class WorkerPool:
         for f in h.feeds:
             if f.task is not None:
                 f.task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await f.task
+                # gather, not `await f.task` under suppress(CancelledError): that would
+                # swallow a cancellation of the caller too (a loop stopped mid-rediscovery
+                # would carry on, and the pool's stop wait for it forever)
+                await asyncio.gather(f.task, return_exceptions=True)
                 f.task = None
 
     def handle_of(self, endpoint: str) -> WorkerHandle | None:

@@ -70,3 +70,47 @@ async def test_a_worker_removed_during_its_rediscovery_keeps_no_subscription() -
     finally:
         await pool.stop()
         await client.aclose()
+
+
+async def test_two_list_changes_at_once_leave_the_worker_in_the_fleet() -> None:
+    """The file's watcher and the admin API change one worker's config at once: the first
+    removes the old worker and waits for its feeds to stop; the second must not add the new
+    one meanwhile, or the first's removal takes the new one's endpoint out of the fleet."""
+    pool, wc, fleet, client = await _pool()
+    changed = WorkerConfig(url=wc.url, events=wc.events, block_size=32)
+    try:
+        await asyncio.gather(pool.set_workers((changed,)), pool.set_workers((changed,)))
+        assert pool.handles[wc.name].config == changed
+        assert wc.name in fleet.workers and fleet.workers[wc.name].block_size == 32
+        assert wc.name in fleet.index.workers()
+        assert _subscriptions() == [f"events-{wc.name}"]
+    finally:
+        await pool.stop()
+        await client.aclose()
+
+
+async def test_a_caller_cancelled_while_feeds_stop_is_cancelled() -> None:
+    """A loop stopped (the pool's stop) while it waits in `_stop_feeds` must end: were its
+    cancellation swallowed, it would subscribe again and the stop wait for it forever."""
+    pool, wc, _, client = await _pool()
+    h = pool.handles[wc.name]
+    feed = h.feeds[0]
+    assert feed.task is not None
+    subscription = feed.task
+    went_on = asyncio.Event()
+
+    async def rediscovering() -> None:
+        await pool._stop_feeds(h)
+        went_on.set()
+
+    try:
+        caller = asyncio.create_task(rediscovering())
+        while not subscription.cancelling():  # the caller is in, waiting on the subscription
+            await asyncio.sleep(0)
+        caller.cancel()
+        done, _ = await asyncio.wait([caller], timeout=5)
+        assert caller in done and caller.cancelled()
+        assert not went_on.is_set()
+    finally:
+        await pool.stop()
+        await client.aclose()

@@ -29,7 +29,6 @@ connection manager:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -185,8 +184,7 @@ class ExtProcServer:
     async def stop(self, grace_s: float = 5.0) -> None:
         if self._health_task is not None:
             self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
+            await asyncio.gather(self._health_task, return_exceptions=True)
             self._health_task = None
         if self._server is not None:
             await self.health.enter_graceful_shutdown()

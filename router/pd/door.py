@@ -12,7 +12,6 @@ A split runs the prefill leg, then the decode leg with the returned params
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -160,9 +159,7 @@ class PDDoor:
     async def stop(self) -> None:
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     # ---- the decision -----------------------------------------------------------------
 
