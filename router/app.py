@@ -30,7 +30,7 @@ from router.asgi import (
 )
 from router.control import Control, is_control
 from router.core.config import Config
-from router.core.errors import KvrouteError, NotFound, ShuttingDown
+from router.core.errors import ConfigError, KvrouteError, NotFound, ShuttingDown
 from router.core.fleet import FleetState
 from router.forward import Forwarder
 from router.metrics import RouterMetrics
@@ -229,6 +229,10 @@ class RouterApp:
             if message["type"] == "lifespan.startup":
                 try:
                     await self.startup()
+                except ConfigError as exc:  # names the flag to fix: no traceback to read
+                    log.error("start-up failed: %s", exc.message)
+                    await send({"type": "lifespan.startup.failed", "message": exc.message})
+                    return
                 except Exception as exc:
                     log.exception("start-up failed")
                     await send({"type": "lifespan.startup.failed", "message": str(exc)})

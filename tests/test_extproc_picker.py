@@ -63,6 +63,8 @@ async def test_accounting_follows_the_response(picker: Any) -> None:
     assert [e[0] for e in ticket.events] == ["start", "reassign", "first_token", "finish"]
     assert ticket.events[1] == ("reassign", served) and picked != served
     assert ticket.events[-1] == ("finish", (200, None))
+    # the gateway went past the first choice: it could not send there
+    assert picked in svc.unreachable_told and served not in svc.unreachable_told
 
 
 async def test_health_follows_readiness(picker: Any) -> None:

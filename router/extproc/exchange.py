@@ -49,7 +49,10 @@ NO_BODY = processing_mode_pb2.ProcessingMode.NONE
 # with a body is refused, naming the fix; one without is decided at its headers as in any
 # mode. BUFFERED_PARTIAL sends a body within the gateway's buffer whole, as BUFFERED does;
 # only one cut at that buffer is refused, naming the limit.
-UNSUPPORTED_BODY_MODES = {processing_mode_pb2.ProcessingMode.STREAMED: "STREAMED"}
+# NONE sends no body at all: a request with one would go unrouted (no decision, no load
+# counted), so it is refused too, where the gateway says its mode (protocol_config; a
+# gateway that says nothing may still send the body, and is waited for).
+UNSUPPORTED_BODY_MODES = {processing_mode_pb2.ProcessingMode.STREAMED: "STREAMED", NO_BODY: "NONE"}
 PARTIAL = processing_mode_pb2.ProcessingMode.BUFFERED_PARTIAL
 _told_modes: set[int] = set()  # unsupported modes logged already (once a process each)
 # Ordered fallbacks sent to the gateway: one per attempt it makes (`kvroute envoy-config`'s
@@ -145,7 +148,7 @@ class Exchange:
         self.kind = self.svc.route_path(path) if method == "POST" else None
         if req.request_headers.end_of_stream:  # no body: any healthy worker, by load
             return await self._decide(RoutingInput.bodyless(), "request_headers")
-        if cfg.request_body_mode in UNSUPPORTED_BODY_MODES:
+        if cfg.request_body_mode in UNSUPPORTED_BODY_MODES and req.HasField("protocol_config"):
             self.decided = True  # answered: any chunk that still comes goes through
             return [_error(_unsupported_mode(cfg.request_body_mode))]
         return [] if self.duplex_request else [gie.passthrough("request_headers")]
@@ -244,6 +247,8 @@ class Exchange:
         if self.ticket is not None and worker is not None and worker != self.worker:
             self.ticket = self.svc.reassign(self.ticket, worker)
             self.worker = worker
+        if served in self.sent:
+            self._eject_skipped(served)
         if req.response_headers.end_of_stream:
             self._finish(None)
         elif not self.reads_response and self.ticket is not None:
@@ -251,6 +256,17 @@ class Exchange:
             # the stream's close (Envoy holds the stream until the response is done)
             self.first = False
             self.svc.first_token(self.ticket)
+
+    def _eject_skipped(self, served: str) -> None:
+        """The gateway moves down the fallback list only where an address failed to connect,
+        refused the stream or reset it before the request (the route's retry_on): those
+        before the one that served are out of rotation till a health check passes, as the
+        proxy does at a failed connect. Left in, a dead worker holds no load and takes no
+        cache, so it would rank first for every new prefix until its health checks fail."""
+        for address, endpoint in self.sent.items():
+            if address == served:
+                return
+            self.svc.unreachable(endpoint, f"the gateway could not send to {address}")
 
     def _response_body(self, msg: Any) -> Responses:
         if self.ticket is not None:
@@ -328,9 +344,15 @@ class Exchange:
 
 def _unsupported_mode(mode: int) -> ConfigError:
     name = UNSUPPORTED_BODY_MODES[mode]
+    said = (
+        "the gateway sends the endpoint picker no request body (request_body_mode NONE), so "
+        "no prompt to route on"
+        if mode == NO_BODY
+        else f"the gateway sends request bodies to the endpoint picker {name}, which it cannot "
+        "route on"
+    )
     err = ConfigError(
-        f"the gateway sends request bodies to the endpoint picker {name}, which it cannot "
-        "route on: set the ext_proc filter's processing_mode.request_body_mode to BUFFERED "
+        said + ": set the ext_proc filter's processing_mode.request_body_mode to BUFFERED "
         "or FULL_DUPLEX_STREAMED (kvroute envoy-config writes BUFFERED)",
         param="request_body_mode",
     )

@@ -167,13 +167,20 @@ class ExtProcServer:
         )
         als_pb2_grpc.add_AccessLogServiceServicer_to_server(_AccessLog(self.endings), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        address = f"{self.host}:{self.port}"
-        if self.tls is not None:
-            bound = server.add_secure_port(address, self.tls.credentials())
-        else:
-            bound = server.add_insecure_port(address)
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        address = f"{host}:{self.port}"
+        try:
+            if self.tls is not None:
+                bound = server.add_secure_port(address, self.tls.credentials())
+            else:
+                bound = server.add_insecure_port(address)
+        except RuntimeError:  # grpc raises where older versions answered 0 (it logs why)
+            bound = 0
         if not bound:
-            raise ConfigError(f"--ext-proc-port: cannot listen on {address}")
+            raise ConfigError(
+                f"--ext-proc-port: cannot listen on {address} (in use, or not an address of "
+                "this host: see --ext-proc-host)"
+            )
         self.port = bound
         await self._publish_health()
         await server.start()
