@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.check.checks_router import admin_fix
-from router.check.context import Context, WorkerFacts
+from router.check.context import Context
 from router.check.httpio import Fetched
 from router.check.model import Finding, Result, Status, failed, passed, verdict, warned
 from router.check.prompts import TOKENIZER_CHAT, TOKENIZER_TEXT
+from router.check.workerfacts import Publisher, WorkerFacts
 
 # ---- block-size -----------------------------------------------------------------------------
 
@@ -33,14 +35,29 @@ async def check_block_size(ctx: Context, w: WorkerFacts) -> Result:
 
 
 def _block_sizes(w: WorkerFacts, now: Fetched) -> dict[str, int | None]:
-    entry_now = next((e for e in _entries(now) if e.get("name") == w.name), None)
-    events = sorted(w.observed.block_sizes) if w.observed else []
+    """Each source's block size: one value where the worker's ranks agree, one per rank
+    where they do not (each rank's feed learns its own)."""
+    mine = {r.name: r.label for r in w.ranks}
+    after = {mine[str(e.get("name"))]: e for e in _entries(now) if e.get("name") in mine}
+    events = {p.label: _only(w.seen[p.name].block_sizes) for p in w.publishers if p.name in w.seen}
     return {
-        "router": _int((w.entry or {}).get("block_size")),
-        "router after probes": _int((entry_now or {}).get("block_size")),
-        "events": events[-1] if len(events) == 1 else None,
+        **_agreed("router", {r.label: _int(r.entry.get("block_size")) for r in w.ranks}),
+        **_agreed("router after probes", {k: _int(e.get("block_size")) for k, e in after.items()}),
+        **_agreed("events", events),
         "engine cache_config": w.metrics.block_size if w.metrics else None,
     }
+
+
+def _agreed(source: str, by_rank: dict[str, int | None]) -> dict[str, int | None]:
+    values = {v for v in by_rank.values() if v is not None}
+    if len(values) <= 1:
+        return {source: next(iter(values), None)}
+    return {f"{source} {rank}": v for rank, v in by_rank.items()}
+
+
+def _only(sizes: set[int]) -> int | None:
+    """The block size a tap saw, if it saw exactly one."""
+    return next(iter(sizes)) if len(sizes) == 1 else None
 
 
 def _entries(f: Fetched) -> list[dict[str, Any]]:
@@ -166,61 +183,108 @@ SAMPLES = {
 }
 
 
-def router_samples(text: str, worker: str) -> dict[str, float]:
-    """The router's per-worker index size and event counters from its /metrics."""
-    out = dict.fromkeys(SAMPLES.values(), 0.0)
+Samples = dict[str, dict[str, float]]  # endpoint -> the router's samples for it
+
+
+def router_samples(text: str, *workers: str) -> dict[str, float]:
+    """The router's index size and event counters from its /metrics for `workers` (a
+    worker's endpoints: itself, or each of its data-parallel ranks), summed."""
+    return _summed(endpoint_samples(text), workers)
+
+
+def endpoint_samples(text: str) -> Samples:
+    """The same, per endpoint (the `worker` label)."""
+    out: Samples = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name in SAMPLES and s.labels.get("worker") == worker:
-                out[SAMPLES[s.name]] += s.value
+            worker = s.labels.get("worker")
+            if s.name in SAMPLES and worker is not None:
+                values = out.setdefault(worker, dict.fromkeys(SAMPLES.values(), 0.0))
+                values[SAMPLES[s.name]] += s.value
     return out
 
 
-async def _index_samples(ctx: Context, w: WorkerFacts) -> tuple[Fetched, dict[str, float]]:
+def _summed(per: Samples, endpoints: Iterable[str]) -> dict[str, float]:
+    names = list(endpoints)
+    return {k: sum(per.get(name, {}).get(k, 0.0) for name in names) for k in SAMPLES.values()}
+
+
+async def _index_samples(ctx: Context, w: WorkerFacts) -> tuple[Fetched, Samples]:
     """Poll briefly: the router applies the probe's events on its own schedule."""
     wait = 0.0 if w.mode_setting == "approx" else min(ctx.opts.timeout_s, INDEX_WAIT_S)
     deadline = time.perf_counter() + wait
     while True:
         got = await ctx.router_metrics()
-        values = router_samples(got.text, w.name) if got.ok else {}
-        if not got.ok or values["index"] > 0 or time.perf_counter() > deadline:
-            return got, values
+        per = endpoint_samples(got.text) if got.ok else {}
+        if not got.ok or _filled(w, per) or time.perf_counter() > deadline:
+            return got, per
         await asyncio.sleep(0.1)
 
 
+def _filled(w: WorkerFacts, per: Samples) -> bool:
+    """Every rank router-check saw publish has blocks; without any seen, the worker has."""
+    seen = [p.name for p in w.publishers if _saw(w, p.name)]
+    if seen:
+        return all(_index(per, name) > 0 for name in seen)
+    return any(_index(per, name) > 0 for name in _endpoints(w))
+
+
+def _endpoints(w: WorkerFacts) -> list[str]:
+    """The names the router's metrics give the worker's engines."""
+    return [r.name for r in w.ranks] or [p.name for p in w.publishers] or [w.name]
+
+
+def _index(per: Samples, name: str) -> float:
+    return per.get(name, {}).get("index", 0.0)
+
+
+def _saw(w: WorkerFacts, name: str) -> int:
+    """BlockStored events router-check's own probe saw from this engine."""
+    seen = w.seen.get(name)
+    return seen.stored_events if seen is not None else 0
+
+
 async def check_index(ctx: Context, w: WorkerFacts) -> Result:
-    """After the probes the router's index holds blocks for the worker, and its event stream
-    shows no malformed payloads, gaps or resyncs."""
-    got, v = await _index_samples(ctx, w)
+    """After the probes the router's index holds blocks for the worker (for each of its
+    data-parallel ranks the probes reached), and its event stream shows no malformed
+    payloads, gaps or resyncs."""
+    got, per = await _index_samples(ctx, w)
     if not got.ok:
         return warned("index", f"cannot read the router's GET /metrics: {got.describe()}", w.name)
+    v = _summed(per, _endpoints(w))
     evidence = (
         f"router index {v['index']:.0f} blocks, {v['events']:.0f} events applied, "
         f"gaps {v['gaps']:.0f}, malformed {v['malformed']:.0f}, resyncs {v['resyncs']:.0f}"
     )
-    findings = [*_index_findings(w, v), *_stream_findings(v)]
+    findings = [*_index_findings(w, per, v), *_stream_findings(v)]
     return verdict("index", evidence, findings, w.name, **{k: int(x) for k, x in v.items()})
 
 
-def _index_findings(w: WorkerFacts, v: dict[str, float]) -> list[Finding]:
+def _index_findings(w: WorkerFacts, per: Samples, v: dict[str, float]) -> list[Finding]:
     if w.mode_setting == "approx":
         text = "the router routes this worker in approx mode (no events)"
         if w.observed is not None and w.observed.stored_events:
             text += ", though the engine publishes them: kvroute serve --mode auto would use them"
         return [Finding(Status.WARN, text)]
+    missed = [p for p in w.publishers if _saw(w, p.name) and _index(per, p.name) <= 0]
+    if missed:
+        return [_not_ingested(p, _saw(w, p.name)) for p in missed]
     if v["index"] > 0:
         return []
-    saw = w.observed.stored_events if w.observed else 0
-    if saw:
-        text = f"empty, though router-check saw {saw} BlockStored from the engine"
-        fix = (
-            f"the router does not ingest this worker's events: it dials "
-            f"{w.router_endpoint or 'no endpoint'}; see events-endpoint"
-        )
-    else:
-        text = "empty: no KV events reach it"
-        fix = "make the engine publish KV events (see events-config and events-flowing)"
+    text = "empty: no KV events reach it"
+    fix = "make the engine publish KV events (see events-config and events-flowing)"
     return [Finding(Status.FAIL, text, fix)]
+
+
+def _not_ingested(p: Publisher, saw: int) -> Finding:
+    """The engine published the probe's blocks, yet the router's index has none of them."""
+    whose = f"{p.label} " if p.label else ""
+    text = f"{whose}empty, though router-check saw {saw} BlockStored from the engine"
+    fix = (
+        f"the router does not ingest {'this worker' if not p.label else p.label}'s events: it "
+        f"dials {p.router or 'no endpoint'}; see events-endpoint"
+    )
+    return Finding(Status.FAIL, text, fix)
 
 
 def _stream_findings(v: dict[str, float]) -> list[Finding]:

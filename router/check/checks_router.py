@@ -34,9 +34,11 @@ async def check_router(ctx: Context) -> Result:
     entries = r.entries
     available = sum(1 for e in entries if e.get("available"))
     drained = f", {len(r.draining)} draining" if r.draining else ""
+    # a data-parallel worker is listed once per rank: count workers, and say the endpoints
+    endpoints = f"{len(entries)} endpoints, " if len(entries) != r.worker_count else ""
     evidence = (
-        f"answers in {r.health.ms:.0f} ms, /ready {r.ready.status}, {len(entries)} workers "
-        f"listed ({available} available{drained}), policy {r.policy or '?'}"
+        f"answers in {r.health.ms:.0f} ms, /ready {r.ready.status}, {r.worker_count} workers "
+        f"listed ({endpoints}{available} available{drained}), policy {r.policy or '?'}"
     )
     findings = [
         *_ready(r.ready),
@@ -70,9 +72,8 @@ def _workers(ctx: Context, listed: int, available: int) -> list[Finding]:
         out.append(Finding(Status.FAIL, "the router lists no workers", _ADD_WORKER))
     elif available == 0:
         out.append(Finding(Status.FAIL, "no listed worker is available", _FIX_AVAILABLE))
-    listed_names = {str(e.get("name")) for e in ctx.router.entries}
     for w in ctx.workers:
-        if w.name not in listed_names:
+        if not w.ranks:
             out.append(
                 Finding(Status.FAIL, f"--worker {w.url} is not in the router's list", _ADD_WORKER)
             )

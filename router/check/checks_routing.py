@@ -182,7 +182,11 @@ async def check_load_spread(ctx: Context) -> Result:
     if broken is not None:
         evidence = f"a burst request failed: HTTP {broken.status} {broken.error}"
         return failed("load-spread", evidence, "see the router's log and GET /health")
-    return _judge_spread(ctx, sent, f"{available} workers{skipped}", before)
+    over = f"{available} workers"
+    if entries and len(entries) != ctx.router.worker_count:
+        # the router routes to each data-parallel rank on its own: a spread over ranks counts
+        over = f"{available} endpoints of {ctx.router.worker_count} workers"
+    return _judge_spread(ctx, sent, over + skipped, before)
 
 
 def _judge_spread(

@@ -4,11 +4,21 @@ event sockets answer."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
+from engines.base import EventSource
 from engines.vllm.hints import KV_EVENTS_FLAG, PREFIX_CACHING_FIX
-from router.check.context import Context, WorkerFacts
-from router.check.model import Finding, Result, Status, failed, passed, verdict, warned
+from router.check.context import Context
+from router.check.model import (
+    Finding,
+    Result,
+    Status,
+    combine,
+    failed,
+    passed,
+    verdict,
+    warned,
+)
+from router.check.workerfacts import Publisher, Rank, WorkerFacts, rank_label
 from router.check.zmqprobe import Reach, handshake, replay_ping
 
 
@@ -43,34 +53,38 @@ def _health(w: WorkerFacts) -> list[Finding]:
 
 
 def _router_view(ctx: Context, w: WorkerFacts) -> list[Finding]:
-    if w.entry is None:
+    if not w.ranks:
         return (
             []
             if not ctx.router.entries
             else [Finding(Status.FAIL, "the router does not list this worker", _ADD)]
         )
-    return [*_availability(w, w.entry), *_drained(w, w.entry)]
+    return [*(f for r in w.ranks for f in _availability(r)), *_drained(w)]
 
 
-def _availability(w: WorkerFacts, entry: dict[str, Any]) -> list[Finding]:
+def _availability(r: Rank) -> list[Finding]:
+    """Each data-parallel rank is in rotation, or ejected, on its own."""
+    entry = r.entry
     if entry.get("available"):
         if entry.get("draining"):
             return []  # reachable, yet out of rotation: `_drained` says so
-        return [Finding(Status.PASS, f"router: available, mode {entry.get('mode')}")]
-    last = (w.report or {}).get("last_error", "")
+        where = f"router {r.label}" if r.label else "router"
+        return [Finding(Status.PASS, f"{where}: available, mode {entry.get('mode')}")]
+    last = (r.report or {}).get("last_error", "")
     return [
         Finding(
             Status.FAIL,
-            f"the router marks it unavailable ({last or 'failed health checks'})",
+            f"the router marks {r.label or 'it'} unavailable ({last or 'failed health checks'})",
             "let the router reach the worker's URL (network policy, DNS, TLS)",
         )
     ]
 
 
-def _drained(w: WorkerFacts, entry: dict[str, Any]) -> list[Finding]:
+def _drained(w: WorkerFacts) -> list[Finding]:
     """An operator's drain is deliberate (a rolling update), so a WARN, not a FAIL: the
-    router sends the worker nothing new until it is undrained."""
-    if not entry.get("draining"):
+    router sends the worker nothing new until it is undrained. It drains a worker with all
+    of its ranks, by the worker's name."""
+    if not any(r.entry.get("draining") for r in w.ranks):
         return []
     text = (
         f"router: draining, out of rotation (POST /admin/workers/{w.name}/drain): it gets no "
@@ -101,34 +115,41 @@ async def check_prefix_caching(ctx: Context, w: WorkerFacts) -> Result:
 
 
 async def check_events_config(ctx: Context, w: WorkerFacts) -> Result:
-    """GET /kv_event_sources names a ZMQ publisher (vLLM's --kv-events-config)."""
+    """GET /kv_event_sources names a ZMQ publisher (vLLM's --kv-events-config), one per
+    data-parallel rank."""
     src = w.sources
     assert src is not None
     approx = w.mode_setting == "approx"
     if src.status == 404 or not src.ok:
         evidence = f"GET /kv_event_sources: {src.describe()}"
-        if w.router_endpoint:
+        given = w.router_endpoints
+        if given:
             return warned(
-                "events-config", f"{evidence}; the router is given {w.router_endpoint}", w.name
+                "events-config", f"{evidence}; the router is given {', '.join(given)}", w.name
             )
         return _no_events(w, evidence + " and the router has no events endpoint for it", approx)
-    adv = w.advertised
-    if adv is None:
+    sources = w.advertised
+    if not sources:
         evidence = f"GET /kv_event_sources is {_short(src.text)}: the engine publishes no KV events"
         return _no_events(w, evidence, approx)
-    evidence = f"publisher {adv.endpoint}, replay {adv.replay_endpoint}, topic {adv.topic!r}"
-    findings = (
-        []
-        if adv.replay_endpoint
-        else [
-            Finding(
-                Status.WARN,
-                "no replay_endpoint: lost events cannot be recovered (add "
-                '"replay_endpoint":"tcp://*:5558" to --kv-events-config)',
-            )
-        ]
-    )
+    ranked = len(sources) > 1
+    evidence = "; ".join(_advertised(s, ranked) for s in sources)
+    findings = [
+        Finding(
+            Status.WARN,
+            f"no replay_endpoint{f' for {rank_label(s.rank)}' if ranked else ''}: lost events "
+            "cannot be "
+            'recovered (add "replay_endpoint":"tcp://*:5558" to --kv-events-config)',
+        )
+        for s in sources
+        if not s.replay_endpoint
+    ]
     return verdict("events-config", evidence, findings, w.name)
+
+
+def _advertised(s: EventSource, ranked: bool) -> str:
+    text = f"publisher {s.endpoint}, replay {s.replay_endpoint}, topic {s.topic!r}"
+    return f"{rank_label(s.rank)} {text}" if ranked else text
 
 
 def _short(text: str) -> str:
@@ -144,31 +165,40 @@ def _no_events(w: WorkerFacts, evidence: str, approx: bool) -> Result:
 
 async def check_events_endpoint(ctx: Context, w: WorkerFacts) -> Result:
     """The sockets the router dials (its events + replay endpoints) complete a ZMQ handshake;
-    the replay socket answers a request."""
-    adv = w.advertised
-    pub = w.router_endpoint or (adv.endpoint if adv else None)
-    replay = w.router_replay or (adv.replay_endpoint if adv and not w.router_endpoint else None)
-    if pub is None:
+    the replay socket answers a request. Each data-parallel rank has sockets of its own."""
+    pubs = w.publishers
+    if not any(p.endpoint for p in pubs):
         return warned(
             "events-endpoint",
             "nothing to probe: no publisher configured or advertised (see events-config)",
             w.name,
         )
+    parts = await asyncio.gather(*(_probe_sockets(ctx, w, p) for p in pubs))
+    if len(parts) == 1:
+        return parts[0]
+    return combine(
+        "events-endpoint", [(p.label, r) for p, r in zip(pubs, parts, strict=True)], w.name
+    )
+
+
+async def _probe_sockets(ctx: Context, w: WorkerFacts, p: Publisher) -> Result:
+    if p.endpoint is None:
+        return warned("events-endpoint", "nothing to probe: no publisher for this rank", w.name)
     t = ctx.opts.timeout_s / 2
-    targets = [pub, *([adv.endpoint] if adv and adv.endpoint != pub else [])]
-    reaches = await asyncio.gather(*(handshake(ctx.zmq, ep, t) for ep in targets))
+    targets = [p.endpoint, *([p.advertised.endpoint] if p.advertised else [])]
+    reaches = await asyncio.gather(*(handshake(ctx.zmq, ep, t) for ep in dict.fromkeys(targets)))
     w.reach.update({r.endpoint: r for r in reaches})
-    replayed = await replay_ping(ctx.zmq, replay, t) if replay else None
-    findings = [*_pub_findings(w, reaches), *_replay_findings(replayed)]
-    return verdict("events-endpoint", f"events {pub}: {reaches[0].detail}", findings, w.name)
+    replayed = await replay_ping(ctx.zmq, p.replay, t) if p.replay else None
+    findings = [*_pub_findings(p, reaches), *_replay_findings(replayed)]
+    return verdict("events-endpoint", f"events {p.endpoint}: {reaches[0].detail}", findings, w.name)
 
 
-def _pub_findings(w: WorkerFacts, reaches: list[Reach]) -> list[Finding]:
+def _pub_findings(p: Publisher, reaches: list[Reach]) -> list[Finding]:
     main, others = reaches[0], reaches[1:]
     if main.ok:
         return []
     alt = next((r for r in others if r.ok), None)
-    whose = "the router subscribes to" if w.router_endpoint else "the engine advertises"
+    whose = "the router subscribes to" if p.router else "the engine advertises"
     text = f"{whose} {main.endpoint} and it does not answer"
     if alt is not None:
         text += f"; the engine advertises {alt.endpoint}, which answers"

@@ -138,7 +138,7 @@ def options(args: argparse.Namespace) -> Options:
         workers=tuple(args.worker),
         timeout_s=args.timeout,
         skip=frozenset(skip),
-        admin_token=args.admin_token or None,
+        admin_token=args.admin_token,
         api_key=args.api_key or None,
         margin=args.margin,
         pairs=args.pairs,

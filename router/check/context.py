@@ -13,13 +13,19 @@ from urllib.parse import urlsplit
 import httpx
 import zmq.asyncio
 
-from engines.base import EngineMetrics, EventSource
-from engines.vllm.discovery import event_sources, parse_metrics
+from engines.base import EngineMetrics
+from engines.vllm.discovery import parse_metrics
 from router.check.httpio import Fetched, bearer, fetch
-from router.check.zmqprobe import Observation, Reach
+from router.check.workerfacts import WorkerFacts, group_workers, worker_of
+from router.forward import RANK_HEADER
 
 WORKER_HEADER = "x-kvroute-worker"
 T = TypeVar("T")
+EMPTY_TOKEN = (
+    "--admin-token is empty (or KVROUTE_ADMIN_TOKEN is set to '', e.g. from an empty "
+    "Secret): set it to the router's admin token, the same non-empty value kvroute serve "
+    "--admin-token runs with, or unset it where the router runs without one"
+)
 
 
 class UsageError(ValueError):
@@ -59,6 +65,10 @@ class Options:
         ]
         for flag, url in urls:
             _need(url is None or _is_http(url), f"{flag} {url!r}: give http(s)://HOST:PORT")
+        # an empty token sends no header, and the refusal that follows would blame a token
+        # never given; only the router's checks send it
+        empty = self.admin_token is not None and not self.admin_token.strip()
+        _need(not (empty and self.router), EMPTY_TOKEN)
         _need(self.timeout_s > 0, "--timeout must be a positive number of seconds")
         _need(self.margin >= 1.0, "--margin is a speed-up ratio: 1.0 or more (e.g. 1.5)")
         _need(1 <= self.pairs <= 20, "--pairs must be 1..20")
@@ -81,9 +91,9 @@ def _is_http(url: str) -> bool:
     return parts.scheme in ("http", "https") and bool(parts.hostname) and port != 0
 
 
-def worker_name(url: str) -> str:
-    """host:port, as the router names a worker."""
-    return urlsplit(url).netloc or url
+def rank_headers(rank: int | None) -> dict[str, str] | None:
+    """The headers that make vLLM serve a request on `rank` (None: the engine picks)."""
+    return None if rank is None else {RANK_HEADER.decode(): str(rank)}
 
 
 @dataclass
@@ -114,7 +124,14 @@ class RouterFacts:
 
     @property
     def draining(self) -> list[str]:
-        return [str(e.get("name")) for e in self.entries if e.get("draining")]
+        """Drained workers by the name the drain API takes: a worker's ranks drain with it."""
+        names = (worker_of(str(e.get("name"))) for e in self.entries if e.get("draining"))
+        return list(dict.fromkeys(names))
+
+    @property
+    def worker_count(self) -> int:
+        """Workers listed; each of their data-parallel ranks is an entry of its own."""
+        return len({worker_of(str(e.get("name"))) for e in self.entries})
 
     @property
     def policy(self) -> str | None:
@@ -126,76 +143,6 @@ class RouterFacts:
         doc = self.models.body if self.models is not None and self.models.ok else None
         data = doc.get("data") if isinstance(doc, dict) else None
         return str(data[0].get("id", "")) if data and isinstance(data[0], dict) else ""
-
-
-@dataclass
-class WorkerFacts:
-    name: str
-    url: str
-    entry: dict[str, Any] | None = None  # the router's /admin/workers entry, before probes
-    report: dict[str, Any] | None = None  # the router's /health entry
-    health: Fetched | None = None
-    models: Fetched | None = None
-    metrics_fetch: Fetched | None = None
-    metrics: EngineMetrics | None = None  # parsed from metrics_fetch
-    sources: Fetched | None = None
-    reach: dict[str, Reach] = field(default_factory=dict)  # endpoint -> handshake result
-    observed: Observation | None = None  # what the events-flowing probe saw
-    probe_seen: tuple[int, int] | None = None  # (probe blocks seen, expected)
-
-    @property
-    def reachable(self) -> bool:
-        return any(f is not None and f.status is not None for f in (self.health, self.models))
-
-    @property
-    def model(self) -> str:
-        card = self._card()
-        return str(card.get("id", "")) if card else ""
-
-    @property
-    def max_model_len(self) -> int | None:
-        card = self._card()
-        value = card.get("max_model_len") if card else None
-        return value if isinstance(value, int) else None
-
-    def _card(self) -> dict[str, Any] | None:
-        doc = self.models.body if self.models is not None and self.models.ok else None
-        data = doc.get("data") if isinstance(doc, dict) else None
-        return data[0] if data and isinstance(data[0], dict) else None
-
-    @property
-    def advertised(self) -> EventSource | None:
-        """The publisher the engine names in GET /kv_event_sources, made dialable."""
-        if self.sources is None or not self.sources.ok:
-            return None
-        found = event_sources(self.sources.body, self.url)
-        return found[0] if found else None
-
-    @property
-    def mode_setting(self) -> str | None:
-        """events | approx | auto as the router is configured for this worker."""
-        for doc, key in ((self.report, "mode_setting"), (self.entry, "mode")):
-            if doc is not None and doc.get(key):
-                return str(doc[key])
-        return None
-
-    @property
-    def router_endpoint(self) -> str | None:
-        """The publisher the router subscribes to for this worker."""
-        return self._entry_str("events_endpoint")
-
-    @property
-    def router_replay(self) -> str | None:
-        return self._entry_str("replay_endpoint")
-
-    def _entry_str(self, key: str) -> str | None:
-        value = (self.entry or {}).get(key)
-        return str(value) if value else None
-
-    def problems(self, needle: str) -> list[str]:
-        """The router's own /health problems for this worker that mention `needle`."""
-        found = (self.report or {}).get("problems") or []
-        return [str(p) for p in found if needle in str(p).lower()]
 
 
 class Context:
@@ -236,10 +183,17 @@ class Context:
         )
 
     async def worker_call(
-        self, w: WorkerFacts, method: str, path: str, body: Any = None
+        self,
+        w: WorkerFacts,
+        method: str,
+        path: str,
+        body: Any = None,
+        headers: dict[str, str] | None = None,
     ) -> Fetched:
         url = w.url.rstrip("/") + path
-        return await fetch(self.http, method, url, body=body, timeout=self.opts.timeout_s)
+        return await fetch(
+            self.http, method, url, body=body, headers=headers, timeout=self.opts.timeout_s
+        )
 
     @property
     def model(self) -> str:
@@ -271,16 +225,9 @@ async def load_router(ctx: Context) -> None:
 
 def worker_list(ctx: Context) -> list[WorkerFacts]:
     """--worker URLs if given, else the router's own list."""
-    entries = {
-        str(e.get("name") or worker_name(str(e.get("url", "")))): e for e in ctx.router.entries
-    }
-    reports = {str(e.get("name")): e for e in ctx.router.health_entries}
-    urls = list(ctx.opts.workers) or [str(e.get("url")) for e in entries.values()]
-    out = []
-    for url in urls:
-        name = worker_name(url)
-        out.append(WorkerFacts(name, url, entries.get(name), reports.get(name)))
-    return out
+    entries = ctx.router.entries
+    urls = list(ctx.opts.workers) or [str(e.get("url")) for e in entries]
+    return group_workers(urls, entries, ctx.router.health_entries)
 
 
 async def load_worker(ctx: Context, w: WorkerFacts) -> None:

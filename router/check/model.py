@@ -77,6 +77,21 @@ def verdict(
     return Result(name, status, text, worker, fix=fix, data=data)
 
 
+def combine(
+    name: str, parts: list[tuple[str, Result]], worker: str | None = None, **data: Any
+) -> Result:
+    """One result of a worker from one per data-parallel rank (`(label, result)`): the worst
+    status, each rank's evidence, and each fix of a failing rank, naming the ranks it is for."""
+    status = max((r.status for _, r in parts), key=lambda s: s.rank, default=Status.PASS)
+    evidence = "; ".join(f"{label}: {r.evidence}" for label, r in parts)
+    fixes: dict[str, list[str]] = {}
+    for label, r in parts:
+        if r.status is Status.FAIL and r.fix:
+            fixes.setdefault(r.fix, []).append(label)
+    fix = "; ".join(f"{', '.join(labels)}: {text}" for text, labels in fixes.items())
+    return Result(name, status, evidence, worker, fix=fix or None, data=data)
+
+
 @dataclass
 class Report:
     router: str

@@ -28,12 +28,12 @@ from router.check.context import (
     Context,
     Options,
     UsageError,
-    WorkerFacts,
     load_router,
     load_worker,
     worker_list,
 )
 from router.check.model import Report, Result, failed, warned
+from router.check.workerfacts import WorkerFacts
 from router.worker_checks import CONTROL_KEEPALIVE_S
 
 RouterCheck = Callable[[Context], Awaitable[Result]]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import zmq
@@ -113,6 +113,19 @@ class Observation:
     topics: set[str] = field(default_factory=set)
     block_sizes: set[int] = field(default_factory=set)
     blocks: set[tuple[int, ...]] = field(default_factory=set)
+
+    @classmethod
+    def union(cls, seen: Iterable[Observation]) -> Observation:
+        """What several taps (one per data-parallel rank) saw, together."""
+        out = cls()
+        for o in seen:
+            out.batches += o.batches
+            out.stored_events += o.stored_events
+            out.malformed += o.malformed
+            out.topics |= o.topics
+            out.block_sizes |= o.block_sizes
+            out.blocks |= o.blocks
+        return out
 
     def record(self, frames: list[bytes]) -> None:
         if len(frames) != 3:
