@@ -163,6 +163,18 @@ def test_hostname_workers_are_re_resolved() -> None:
     assert workers["type"] == "STRICT_DNS" and workers["dns_refresh_rate"] == "5s"
 
 
+def test_names_resolve_to_ipv4_first_as_kvroute_resolves_them() -> None:
+    """A dual-stack name's IPv4 addresses: the picker names a worker by its IPv4 address
+    (router/workers.py one_family), which must be a member for override_host to reach it."""
+    names = ["--worker", "http://vllm-workers.default.svc.cluster.local:8000"]
+    picker = ["--ext-proc", "kvroute-epp.default.svc.cluster.local:9002"]
+    named = clusters(doc_of(*BASE, *names, *picker))
+    for cluster in (named[WORKERS], named[PICKER]):
+        assert cluster["type"] == "STRICT_DNS" and cluster["dns_lookup_family"] == "V4_PREFERRED"
+    by_ip = clusters(doc_of(*BASE, *WORKER_ARGS))
+    assert "dns_lookup_family" not in by_ip[WORKERS] and "dns_lookup_family" not in by_ip[PICKER]
+
+
 def test_eds_file_is_written_and_watched(tmp_path: Path) -> None:
     eds = tmp_path / "workers.yaml"
     doc = doc_of(*BASE, *WORKER_ARGS, "--eds-file", str(eds))

@@ -27,6 +27,13 @@ What it wires, and why:
 - Workers that join later: a hostname worker (a headless Service) makes the cluster
   STRICT_DNS, re-resolved every 5 s; with `eds_path` the cluster reads its members from a
   file Envoy watches (rewrite it with `write_eds`, atomically) -- no restart either way.
+  A name is resolved to its IPv4 addresses where it has any (`V4_PREFERRED`), as kvroute
+  resolves it: the picker's `ip:port` must be a cluster member, and vLLM's default
+  `--host 0.0.0.0` listens on IPv4 only.
+- Circuit breakers far above any load (`IN_FLIGHT_CAP`) instead of Envoy's defaults (1,024
+  requests and 3 retries in flight per cluster): every request in flight holds a picker
+  stream for its whole life, and every one may be on its fallback at once. How much a
+  worker takes is the picker's decision (it sheds with 429), not a breaker's.
 - `stats_port`: a listener that serves Envoy's `/stats/prometheus` and nothing else of the
   admin (which stays on loopback: it can drain or stop Envoy), so Prometheus sees what the
   picker cannot report itself, e.g. requests that failed open past a dead picker.
@@ -74,7 +81,19 @@ CLIENT_ROUTING_HEADERS = (
 ACCESS_LOG_MARK = "x-kvroute-access-log"
 # the route's retries on connect failures: the picker lists one endpoint per attempt
 FALLBACK_RETRIES = 3
+# Each cluster's circuit breakers (requests, pending requests, connections, retries in flight).
+# Envoy's defaults would cap the whole gateway: past 1,024 requests in flight the picker's
+# streams overflow (503 failing closed, round robin without KV awareness failing open), and
+# past 3 concurrent retries a dead first choice's requests get a 503, not their fallback. As
+# high as the picker's own stream limit (router/extproc/server.py); file descriptors run out
+# well before it.
+IN_FLIGHT_CAP = 1 << 20
 PICKER_HEALTH_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+# A dual-stack name's IPv4 addresses, IPv6 only where it has no A record (Envoy's AUTO is the
+# reverse): kvroute resolves workers alike (router/workers.py one_family), so the picker's
+# ip:port is a member of the cluster; vLLM (by default) and the picker (deploy/k8s) listen
+# on 0.0.0.0, IPv4 only
+DNS_FAMILY = "V4_PREFERRED"
 # Envoy's response code details for its own 413, a request body over the buffer limit
 ENVOY_BODY_TOO_LARGE = "request_payload_too_large"
 T = "type.googleapis.com/"
@@ -438,6 +457,7 @@ def _workers_cluster(cfg: GatewayConfig) -> dict[str, Any]:
         "name": WORKERS,
         "connect_timeout": "2s",
         "per_connection_buffer_limit_bytes": cfg.max_body_bytes,
+        "circuit_breakers": _circuit_breakers(retries=True),
         "load_balancing_policy": _override_host_policy(),
     }
     if cfg.eds_path is not None:
@@ -458,8 +478,21 @@ def _workers_cluster(cfg: GatewayConfig) -> dict[str, Any]:
     if dns:
         cluster["dns_refresh_rate"] = "5s"
         cluster["respect_dns_ttl"] = False
+        cluster["dns_lookup_family"] = DNS_FAMILY
     cluster["load_assignment"] = load_assignment(WORKERS, cfg.workers)
     return cluster
+
+
+def _circuit_breakers(*, retries: bool) -> dict[str, Any]:
+    """Limits no gateway reaches (`IN_FLIGHT_CAP`); `retries` for a cluster the route
+    retries on: every request in flight may be on its fallback at the same time."""
+    limits = {
+        "max_connections": IN_FLIGHT_CAP,
+        "max_pending_requests": IN_FLIGHT_CAP,
+        "max_requests": IN_FLIGHT_CAP,
+        **({"max_retries": IN_FLIGHT_CAP} if retries else {}),
+    }
+    return {"thresholds": [{"priority": "DEFAULT", **limits}]}
 
 
 def load_assignment(name: str, endpoints: tuple[Endpoint, ...]) -> dict[str, Any]:
@@ -473,10 +506,14 @@ def load_assignment(name: str, endpoints: tuple[Endpoint, ...]) -> dict[str, Any
 
 def _picker_cluster(cfg: GatewayConfig, picker: Endpoint) -> dict[str, Any]:
     members = (picker, *cfg.more_pickers)
+    dns = not all(p.is_ip for p in members)
     cluster: dict[str, Any] = {
         "name": PICKER,
-        "type": "STATIC" if all(p.is_ip for p in members) else "STRICT_DNS",
+        "type": "STRICT_DNS" if dns else "STATIC",
+        **({"dns_lookup_family": DNS_FAMILY} if dns else {}),
         "connect_timeout": "1s",
+        # each HTTP request in flight holds one stream to the picker until its response ends
+        "circuit_breakers": _circuit_breakers(retries=False),
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": T + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
