@@ -313,22 +313,26 @@ class WorkerIngest:
             batch = self._decode(payload)
         except MalformedBatch as exc:
             self._malformed(seq, exc.reason, str(exc))
+            self._start_over(f"KV event batch {seq} could not be decoded")
             return
         except Exception as exc:  # a decoder's bug must not end the stream either
             self._malformed(seq, "decode", f"{type(exc).__name__}: {exc}")
+            self._start_over(f"KV event batch {seq} could not be decoded")
             return
         try:
             self.apply_batch(batch)
         except Exception as exc:
-            self._apply_failed(seq, exc)
+            self._malformed(seq, "apply", f"{type(exc).__name__}: {exc}")
+            self._start_over(f"KV event batch {seq} could not be applied")
 
-    def _apply_failed(self, seq: int, exc: Exception) -> None:
-        self._malformed(seq, "apply", f"{type(exc).__name__}: {exc}")
-        # The batch may be half applied: start the worker's index over rather than trust it.
+    def _start_over(self, reason: str) -> None:
+        """A batch of the stream the index missed, or half applied: it may have held
+        removals or a clear the engine never says again, so the worker's index starts over
+        rather than promise blocks the engine dropped (the next batches fill it)."""
         self.counters.resyncs += 1
         with contextlib.suppress(KeyError):  # the worker left the index meanwhile
             self.index.clear_worker(self.worker)
-        self.health.note_resync(f"KV event batch {seq} could not be applied")
+        self.health.note_resync(reason)
 
     def _malformed(self, seq: int | None, reason: str, detail: str) -> None:
         c = self.counters
