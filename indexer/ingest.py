@@ -29,6 +29,9 @@ log = logging.getLogger("kvroute.ingest")
 
 Decoder = Callable[[bytes], EventBatch]
 DETAIL_CHARS = 200  # of an error's text in a log line: junk must not flood the log
+# a connect replay's last batches remembered by their bytes: the live copies queued while it
+# was fetched and applied are among them (a few seconds of an engine's batches)
+REPLAY_COPIES = 4096
 
 
 class MalformedBatch(ValueError):
@@ -151,6 +154,9 @@ class WorkerIngest:
         self._burst = BurstLog(clock)
         self._pending: list[tuple[int, bytes]] = []  # live batches waiting for a replay
         self._held: tuple[int, bytes] | None = None  # maybe a restart: the next batch says
+        # seq -> hash of the bytes the connect replay returned, its last REPLAY_COPIES
+        # batches: a live batch with the same bytes is a copy queued during the replay
+        self._replayed: dict[int, int] = {}
 
     @property
     def block_size(self) -> int | None:
@@ -160,6 +166,7 @@ class WorkerIngest:
     def reconnected(self) -> None:
         """The subscription (re)connected (see `SeqTracker.reconnected`)."""
         self.tracker.reconnected()
+        self._replayed = {}
 
     def resubscribed(self) -> None:
         """A new subscription replaces one whose task ended: batches it held are dropped
@@ -167,6 +174,7 @@ class WorkerIngest:
         self._pending = []
         self._held = None
         self.tracker.reconnected()
+        self._replayed = {}
 
     def on_connected(self) -> ReplayRequest | None:
         """The subscription connected: fetch what the engine's replay buffer holds past
@@ -187,6 +195,7 @@ class WorkerIngest:
         self.apply_replayed(frames)
         if frames and self.tracker.last_applied is not None:
             self.tracker.replayed_on_connect(self.tracker.last_applied)
+            self._replayed = {seq: hash(payload) for seq, payload in frames[-REPLAY_COPIES:]}
 
     def apply_replayed(self, frames: Sequence[tuple[int, bytes]]) -> None:
         """Apply part of a replay ahead of its `finish_*` call: a long one is applied in
@@ -208,7 +217,10 @@ class WorkerIngest:
             if self.tracker.confirms_restart(held[0], seq):
                 return self._restarted(held, (seq, payload))
             self._out_of_order(held[0])
-        verdict = self.tracker.classify_live(seq)
+        copy = bool(self._replayed) and self._replayed.get(seq) == hash(payload)
+        verdict = self.tracker.classify_live(seq, replayed_copy=copy)
+        if verdict in (Verdict.APPLY, Verdict.GAP):
+            self._replayed = {}  # the live stream passed what the replay applied
         if verdict is Verdict.RESTART:
             self._restart(seq)
             return self.on_live(seq, payload)
@@ -283,6 +295,7 @@ class WorkerIngest:
         self.counters.restarts += 1
         self.index.clear_worker(self.worker)
         self.tracker.restart()
+        self._replayed = {}
         self.learned_block_size = None
         log.warning(
             "worker %s: KV event sequence went back to %d: engine restarted, its index was cleared",

@@ -60,14 +60,18 @@ class SeqTracker:
     def expected(self) -> int:
         return 0 if self.last_applied is None else self.last_applied + 1
 
-    def classify_live(self, seq: int) -> Verdict:
+    def classify_live(self, seq: int, replayed_copy: bool = False) -> Verdict:
+        """`replayed_copy`: its bytes are those of the batch the replay on this connection
+        returned under that number (an engine's replay is its live stream, byte for byte),
+        so it is a copy whatever the number: a young engine's connect replay holds its
+        whole stream, and copies queued meanwhile sit at its very start."""
         fresh, self._fresh = self._fresh, False
         if self.last_applied is None:
             verdict = Verdict.APPLY if seq == 0 else Verdict.CATCH_UP
         elif seq >= self.expected:
             verdict = Verdict.APPLY if seq == self.expected else Verdict.GAP
             self._replayed = None  # the live stream passed what the replay applied
-        elif self._copy_of_replayed(seq):
+        elif replayed_copy or self._copy_of_replayed(seq):
             verdict = Verdict.DUPLICATE  # the replay on connect applied it first
         elif self._last_live is not None and seq > self._last_live:
             verdict = Verdict.DUPLICATE

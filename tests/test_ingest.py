@@ -443,3 +443,35 @@ def test_blocks_stored_again_after_their_eviction_count_as_refetched() -> None:
     for seq, frame in enumerate(frames, start=6):
         assert ingest.on_live(seq, frame) is None
     assert ingest.counters.refetched_blocks == 1 and index.router_hash_of("w", 5) is not None
+
+
+def test_live_copies_of_a_young_engines_connect_replay_are_no_restart() -> None:
+    """Router and engine start together: the connect replay holds the engine's whole short
+    stream (0..7), and the live batches published meanwhile (2..7) arrive after it. They
+    are copies, byte for byte, not a new engine numbering from the start."""
+    index = PrefixIndex()
+    index.add_worker("w")
+    ingest = WorkerIngest("w", index, wire.decode_batch, FakeClock(), has_replay=True)
+    stream = [block(s + 1) for s in range(8)]
+    ingest.resubscribed()
+    request = ingest.on_connected()
+    assert request is not None and request.start_seq == 0
+    ingest.finish_connect_replay(list(enumerate(stream)))
+    for seq in range(2, 8):
+        assert ingest.on_live(seq, stream[seq]) is None
+    assert ingest.on_live(8, block(9)) is None
+    c = ingest.counters
+    assert (c.restarts, c.duplicates, c.resyncs) == (0, 6, 0)
+    assert all(holds(index, i) for i in range(1, 10))
+
+
+def test_a_new_engine_behind_the_same_numbers_is_still_a_restart() -> None:
+    """The same numbers with other bytes, on a fresh connection: a new engine process."""
+    index = PrefixIndex()
+    index.add_worker("w")
+    ingest = WorkerIngest("w", index, wire.decode_batch, FakeClock(), has_replay=True)
+    ingest.resubscribed()
+    ingest.on_connected()
+    ingest.finish_connect_replay([(s, block(s + 1)) for s in range(8)])
+    ingest.on_live(2, block(50))
+    assert ingest.counters.restarts == 1
