@@ -332,3 +332,10 @@ def test_a_config_error_is_not_blamed_on_a_variable_kvroute_did_not_read(
     with pytest.raises(ConfigError) as err:
         load_config(args(config=yaml_file), env)
     assert "KVROUTE_" not in err.value.message, err.value.message
+
+
+def test_a_replica_may_publish_on_a_wildcard_but_dials_a_peer_by_name() -> None:
+    Config(workers=ONE, peer_publish="tcp://*:5570").validate()  # ZMQ binds it
+    with pytest.raises(ConfigError) as err:
+        Config(workers=ONE, peers=("tcp://*:5570",)).validate()
+    assert err.value.param == "peers[0]"

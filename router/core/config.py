@@ -323,7 +323,8 @@ class Config:
         ]:
             if value is not None:
                 _check(
-                    _PEER_ENDPOINT.match(value) is not None and _endpoint_ok(value),
+                    _PEER_ENDPOINT.match(value) is not None
+                    and _endpoint_ok(value, wildcard=name == "peer_publish"),  # ZMQ binds `*`
                     name,
                     f"{value!r}: use tcp://HOST:PORT (tcp://0.0.0.0:5570 to publish on every "
                     "interface, tcp://kvroute-1.kvroute:5570 for a peer)",
@@ -523,7 +524,7 @@ def host_ok(host: str) -> bool:
         host.encode("idna")
     except UnicodeError:
         return False
-    return not any(c.isspace() or c in "/@?#" for c in host)
+    return all(c.isalnum() or c in "-._" for c in host)
 
 
 def _endpoint_ok(endpoint: str, wildcard: bool = False) -> bool:
