@@ -174,6 +174,7 @@ class Options:
     message_timeout_s: float = 5.0
     tweak: Callable[[dict[str, Any]], None] | None = None  # edits the bootstrap before start
     timeout_s: float = 30.0
+    picker_tls: Any = None  # the picker's TLS (TlsFiles, SelfSigned); the tweak dials it
 
 
 @contextlib.asynccontextmanager
@@ -191,7 +192,9 @@ async def gateway(**options: Any) -> AsyncIterator[Gateway]:
         made = o.make_service([f"{e.host}:{e.port}" for e in members])
         async with contextlib.AsyncExitStack() as stack:
             svc = await stack.enter_async_context(made) if hasattr(made, "__aenter__") else made
-            picker = ExtProcServer(svc, "127.0.0.1", 0, max_body_bytes=o.max_body_bytes)
+            picker = ExtProcServer(
+                svc, "127.0.0.1", 0, tls=o.picker_tls, max_body_bytes=o.max_body_bytes
+            )
             await picker.start()
             gw = Gateway(fleets[0], fleets, prints, svc, picker, None, None, picker.port)  # type: ignore[arg-type]
             try:

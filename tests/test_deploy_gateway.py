@@ -123,7 +123,7 @@ def test_pool_points_at_the_picker_service_and_port() -> None:
     service = _find("Service", ref["name"])
     (port,) = service["spec"]["ports"]
     assert ref["port"]["number"] == port["port"]
-    assert port["appProtocol"] == "kubernetes.io/h2c"  # gRPC without TLS
+    assert port["appProtocol"] == "http2"  # gRPC over TLS, as GIE's own picker serves
     assert ref["failureMode"] == "FailClose"  # GIE streams bodies: fail-open is not safe
     deployment = _find("Deployment", "kvroute-epp")
     pod = deployment["spec"]["template"]
@@ -134,13 +134,16 @@ def test_pool_points_at_the_picker_service_and_port() -> None:
     assert int(_flag(container["command"], "--ext-proc-port")) == ports["grpc"]
 
 
-def test_picker_runs_kvroute_serve_alone_with_grpc_probes() -> None:
+def test_picker_runs_kvroute_serve_alone_over_tls_with_http_probes() -> None:
+    """Gateways set up for GIE's picker dial it with TLS; the kubelet's gRPC probes cannot,
+    so the probes go to the HTTP port's /ready and /live (--no-proxy serves them)."""
     pod = _find("Deployment", "kvroute-epp")["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     command = container["command"]
     assert command[:2] == ["kvroute", "serve"] and "--no-proxy" in command
-    assert container["readinessProbe"]["grpc"]["service"] == "readiness"
-    assert container["livenessProbe"]["grpc"]["service"] == "liveness"
+    assert "--ext-proc-tls-self-signed" in command
+    assert container["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http"}
     config = Path(_flag(command, "--config"))
     mount = next(m for m in container["volumeMounts"] if m["mountPath"] == str(config.parent))
     volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])

@@ -214,21 +214,15 @@ def test_the_servicemonitor_schema_rejects_what_the_crd_rejects(break_it: Any, w
 
 @pytest.mark.parametrize("mode", MODES)
 def test_probes_use_live_and_ready(mode: str) -> None:
-    """Liveness never depends on the workers (/live, gRPC `liveness`); readiness is /ready
-    (gRPC `readiness`), which turns 503 when draining. The gateway probes the door it uses."""
+    """Liveness never depends on the workers (/live); readiness is /ready, which turns 503
+    when draining (the picker's gRPC `readiness` alike, but over TLS the kubelet cannot
+    probe it)."""
     _, kvroute = router(mode)
     http = int(flag(kvroute["command"], "--port"))
     assert ports(kvroute)["http"] == http
     live, ready = kvroute["livenessProbe"], kvroute["readinessProbe"]
-    if mode == "gateway":
-        grpc = int(flag(kvroute["command"], "--ext-proc-port"))
-        assert (live["grpc"], ready["grpc"]) == (
-            {"port": grpc, "service": "liveness"},
-            {"port": grpc, "service": "readiness"},
-        )
-    else:
-        assert live["httpGet"] == {"path": "/live", "port": "http"}
-        assert ready["httpGet"] == {"path": "/ready", "port": "http"}
+    assert live["httpGet"] == {"path": "/live", "port": "http"}
+    assert ready["httpGet"] == {"path": "/ready", "port": "http"}
     # a stuck event loop restarts the pod within a minute, a brief stall does not
     assert 15 <= live["periodSeconds"] * live["failureThreshold"] <= 60
 
@@ -414,7 +408,7 @@ def test_gateway_picker_serves_grpc_and_http() -> None:
     pool = find("gateway", "InferencePool", "vllm-pool")["spec"]["endpointPickerRef"]
     service = find("gateway", "Service", pool["name"])["spec"]["ports"]
     (grpc_port,) = [p for p in service if p["port"] == pool["port"]["number"]]
-    assert grpc_port["targetPort"] == "grpc" and grpc_port["appProtocol"] == "kubernetes.io/h2c"
+    assert grpc_port["targetPort"] == "grpc" and grpc_port["appProtocol"] == "http2"
     kinds = {(d["kind"], d["metadata"]["name"]) for d in render("gateway")}
     assert ("Deployment", "kvroute") not in kinds and ("Service", "kvroute") not in kinds
 

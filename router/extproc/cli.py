@@ -5,6 +5,7 @@ it builds its parser and `server_from_args(args, svc)` once the decision service
     --ext-proc-host H            its listen address (default: the proxy's --host)
     --no-proxy                   the picker alone: the HTTP port serves only the probes and metrics
     --ext-proc-tls-cert F --ext-proc-tls-key F [--ext-proc-tls-ca F]   TLS, mTLS with a CA
+    --ext-proc-tls-self-signed   TLS with a certificate made at start (gateways that do not verify)
 """
 
 from __future__ import annotations
@@ -49,10 +50,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="F",
         help="CA (PEM) that client certificates must chain to: mutual TLS",
     )
+    g.add_argument(
+        "--ext-proc-tls-self-signed",
+        action="store_true",
+        help="serve TLS with a certificate made at start, as GIE's reference picker does by "
+        "default: for gateways that connect with TLS and skip verification (Istio's "
+        "DestinationRule insecureSkipVerify, NGINX Gateway Fabric's default). Encrypted, not "
+        "authenticated; give --ext-proc-tls-cert/--ext-proc-tls-key where the gateway verifies",
+    )
 
 
 def tls_from_args(args: argparse.Namespace) -> Any:
     cert, key, ca = args.ext_proc_tls_cert, args.ext_proc_tls_key, args.ext_proc_tls_ca
+    if getattr(args, "ext_proc_tls_self_signed", False):
+        if cert is not None or key is not None or ca is not None:
+            raise ConfigError(
+                "--ext-proc-tls-self-signed makes its own certificate: drop --ext-proc-tls-cert, "
+                "--ext-proc-tls-key and --ext-proc-tls-ca, or drop --ext-proc-tls-self-signed"
+            )
+        from router.extproc.server import SelfSigned
+
+        return SelfSigned()
     if cert is None and key is None:
         if ca is not None:
             raise ConfigError("--ext-proc-tls-ca needs --ext-proc-tls-cert and --ext-proc-tls-key")
@@ -78,7 +96,10 @@ def server_from_args(
     if port is None:
         if args.no_proxy:
             raise ConfigError("--no-proxy runs the ext_proc picker alone: add --ext-proc-port")
-        if tls_from_args(args) is not None:
+        tls_flags = (args.ext_proc_tls_cert, args.ext_proc_tls_key, args.ext_proc_tls_ca)
+        if any(f is not None for f in tls_flags) or getattr(
+            args, "ext_proc_tls_self_signed", False
+        ):
             raise ConfigError("--ext-proc-tls-* given without --ext-proc-port")
         return None
     if not 0 <= port <= 65535:

@@ -99,6 +99,57 @@ class TlsFiles:
         )
 
 
+@dataclass(frozen=True)
+class SelfSigned:
+    """TLS with a certificate made at start, for gateways that connect to their endpoint
+    picker with TLS and do not verify it: the GIE reference picker's default, which Istio's,
+    NGINX Gateway Fabric's and others' settings expect. Encrypted, not authenticated: give
+    a certificate (`TlsFiles`) where the gateway verifies one."""
+
+    names: tuple[str, ...] = ("kvroute-epp", "localhost")
+    days: int = 3650
+
+    def credentials(self) -> grpc.ServerCredentials:
+        key, cert = self_signed_pem(self.names, self.days)
+        return grpc.ssl_server_credentials([(key, cert)])
+
+
+def self_signed_pem(names: tuple[str, ...], days: int) -> tuple[bytes, bytes]:
+    """A private key and a certificate for `names` (PEM), signed by that key."""
+    import datetime
+
+    try:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+    except ImportError as exc:
+        raise ConfigError(
+            f"--ext-proc-tls-self-signed needs cryptography, not installed ({exc}): "
+            "pip install 'kvroute[grpc]'"
+        ) from None
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))  # a gateway's clock a little behind
+        .not_valid_after(now + datetime.timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(n) for n in names]), False)
+        .sign(key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    return key_pem, cert.public_bytes(serialization.Encoding.PEM)
+
+
 class _Processor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
     def __init__(self, svc: DecisionService, max_body_bytes: int, endings: Endings) -> None:
         self.svc = svc
@@ -146,7 +197,7 @@ class ExtProcServer:
         host: str = "0.0.0.0",
         port: int = 9002,
         *,
-        tls: TlsFiles | None = None,
+        tls: TlsFiles | SelfSigned | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY,
     ) -> None:
         self.svc = svc
