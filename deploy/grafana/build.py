@@ -33,9 +33,9 @@ def rate(metric: str, by: str, sel: str = SEL) -> str:
 
 
 def fleet_rate(metric: str, by: str, sel: str = W) -> str:
-    """A per-worker counter every replica keeps alike (each consumes every worker's events):
-    the highest replica's rate, never N replicas times it; summed over the workers when `by`
-    does not keep them apart."""
+    """A per-worker counter every replica keeps alike (each consumes every worker's events
+    and scrapes every decode worker's NIXL counters): the highest replica's rate, never N
+    replicas times it; summed over the workers when `by` does not keep them apart."""
     if "worker" in by.split(", "):
         return f"max by ({by}) (rate({metric}{{{sel}}}[{RATE}]))"
     return f"sum by ({by}) (max by (worker, {by}) (rate({metric}{{{sel}}}[{RATE}])))"
@@ -320,7 +320,7 @@ def handoff() -> list[Panel]:
         series("Prefill leg", quantiles("kvroute_pd_prefill_leg_seconds", SEL), "s"),
         series(
             "KV pulled by decode workers",
-            [q(rate("kvroute_pd_kv_bytes_total", "worker", W))],
+            [q(fleet_rate("kvroute_pd_kv_bytes_total", "worker"))],
             "Bps",
             "From the decode workers' vllm:nixl_bytes_transferred",
         ),
@@ -338,7 +338,7 @@ def handoff() -> list[Panel]:
             "Handoff failures",
             [
                 q(rate("kvroute_pd_local_fallbacks_total", "cause"), "fallback {{cause}}"),
-                q(rate("kvroute_pd_failed_pulls_total", "worker", W), "failed pull {{worker}}"),
+                q(fleet_rate("kvroute_pd_failed_pulls_total", "worker"), "failed pull {{worker}}"),
                 q(rate("kvroute_pd_orphaned_prefills_total", "cause"), "orphaned {{cause}}"),
                 q(rate("kvroute_pd_decode_errors_total", "cause"), "decode error {{cause}}"),
             ],
