@@ -182,9 +182,12 @@ class Supervisor:
         # prometheus_client reads it at import: each child's metrics go to files here
         env["PROMETHEUS_MULTIPROC_DIR"] = str(self.metrics_dir)
         cmd = [sys.executable, "-c", "import sys; from router.cli import main; sys.exit(main())"]
-        self.children[i] = subprocess.Popen(
+        self.children[i] = child = subprocess.Popen(
             [*cmd, *self.argv], env=env, preexec_fn=_die_with_parent
         )
+        if self.stopping:  # a signal forwarded while it started passed it by
+            with contextlib.suppress(ProcessLookupError):
+                child.send_signal(signal.SIGTERM)
         self.started[i] = time.monotonic()
         log.info("process %d/%d started (pid %d)", i + 1, self.count, self.children[i].pid)
 
@@ -215,8 +218,13 @@ class Supervisor:
 
         codes: dict[int, int] = {}
         quick: dict[int, int] = {}  # deaths in a row within QUICK_DEATH_S of a start
+        stopped_at: float | None = None
         while len(codes) < len(self.children):
             time.sleep(0.2)
+            if self.stopping:
+                stopped_at = stopped_at or time.monotonic()
+                if time.monotonic() - stopped_at > self.drain_s + 5:
+                    break  # a child still up past its drain: `_stop_all` ends it
             for i, child in list(self.children.items()):
                 code = child.poll()
                 if code is None or i in codes:

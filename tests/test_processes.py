@@ -10,6 +10,7 @@ import contextlib
 import itertools
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -623,3 +624,49 @@ def test_pd_counters_read_from_the_decode_worker_are_counted_once() -> None:
             second.close()
         until(lambda: reported() == engine_bytes(), SWEEP_S + 5, "the first process's sweep")
         assert reported() > counted[-1]
+
+
+def _stand_in(folder: Path, monkeypatch: pytest.MonkeyPatch, script: str) -> None:
+    """Children run `script` (sh) in place of `kvroute serve`."""
+    exe = folder / "child.sh"
+    exe.write_text(f"#!/bin/sh\n{script}\n")
+    exe.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(exe))
+
+
+def test_a_child_started_as_a_stop_comes_is_stopped_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A SIGTERM forwarded while a child was being started passed it by: that child served
+    on, and the supervisor waited for it forever."""
+    from router.processes import Supervisor
+
+    _stand_in(tmp_path, monkeypatch, "exec sleep 30")
+    sup = Supervisor([], 1, drain_s=1.0)
+    try:
+        sup.stopping = True  # the signal came while Popen ran
+        sup._spawn(0)
+        assert sup.children[0].wait(10) == -signal.SIGTERM
+    finally:
+        for child in sup.children.values():
+            child.kill()
+        shutil.rmtree(sup.directory, ignore_errors=True)
+
+
+def test_a_stopping_supervisor_gives_up_on_a_child_past_its_drain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from router.processes import Supervisor
+
+    _stand_in(tmp_path, monkeypatch, "trap '' TERM\nsleep 30 &\nwait")
+    sup = Supervisor([], 1, drain_s=0.5)
+    try:
+        sup._spawn(0)
+        sup.stopping = True
+        started = time.monotonic()
+        sup._watch()
+        assert time.monotonic() - started < 15  # drain + 5 s, not the child's whim
+    finally:
+        for child in sup.children.values():
+            child.kill()
+        shutil.rmtree(sup.directory, ignore_errors=True)
