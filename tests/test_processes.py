@@ -650,6 +650,7 @@ def test_a_child_started_as_a_stop_comes_is_stopped_too(
     finally:
         for child in sup.children.values():
             child.kill()
+            child.wait()
         shutil.rmtree(sup.directory, ignore_errors=True)
 
 
@@ -669,4 +670,5 @@ def test_a_stopping_supervisor_gives_up_on_a_child_past_its_drain(
     finally:
         for child in sup.children.values():
             child.kill()
+            child.wait()
         shutil.rmtree(sup.directory, ignore_errors=True)
