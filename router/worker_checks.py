@@ -12,6 +12,7 @@ import httpx
 
 from engines.base import EngineMetrics
 from indexer.health import EventHealth
+from router.core.errors import BadRequest
 from router.core.fleet import APPROX, EVENTS
 from router.core.load import LEARN_CONFIRM_S
 from router.verdicts import log_problems, worker_reports
@@ -51,6 +52,7 @@ class WorkerChecks:
         self._last_error_log: dict[str, float] = {}
         self._told_learns_nothing: set[str] = set()  # workers logged as learning no limit
         self._told_no_base = False  # the --lora-resolver base served nowhere, logged
+        self._told_no_chat: set[str] = set()  # models logged as having no chat template
         self.health_rounds = 0  # completed health-check rounds (tests wait on it)
         self._crowded_at: dict[str, float] = {}  # worker -> when it was last scraped for it
         self._crowded_tasks: set[asyncio.Task[None]] = set()
@@ -352,11 +354,12 @@ class WorkerChecks:
                 return
 
     async def _probe_tokenizer(self, h: WorkerHandle, model: str, tok: Any) -> str | None:
-        mine = {"completion": tok.completion(PROBE_TEXT), "chat": tok.chat(PROBE_CHAT)}
-        bodies = {
-            "completion": {"model": model, "prompt": PROBE_TEXT},
-            "chat": {"model": model, "messages": PROBE_CHAT, "add_generation_prompt": True},
-        }
+        mine = {"completion": tok.completion(PROBE_TEXT)}
+        bodies: dict[str, dict[str, Any]] = {"completion": {"model": model, "prompt": PROBE_TEXT}}
+        chat = self._chat_probe(model, tok)
+        if chat is not None:
+            mine["chat"] = chat
+            bodies["chat"] = {"model": model, "messages": PROBE_CHAT, "add_generation_prompt": True}
         for kind, body in bodies.items():
             try:
                 resp = await self.pool.client.post(f"{h.url}/tokenize", json=body, headers=h.auth)
@@ -372,6 +375,22 @@ class WorkerChecks:
                 + h.adapter.hints.tokenizer_mismatch
             )
         return None
+
+    def _chat_probe(self, model: str, tok: Any) -> list[int] | None:
+        """The probe chat's tokens, or None when the tokenizer cannot render a chat: a base
+        model without a chat template serves completions (vLLM answers its chats 400, as
+        the router does), so that must not stop the router from starting."""
+        try:
+            return list(tok.chat(PROBE_CHAT))
+        except BadRequest as exc:
+            if model not in self._told_no_chat:
+                self._told_no_chat.add(model)
+                log.warning(
+                    "model %s: chat tokenizer probe skipped, completions still checked: %s",
+                    model or "(default)",
+                    exc.message,
+                )
+            return None
 
     # ---- modes -----------------------------------------------------------------------
 
