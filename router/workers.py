@@ -38,6 +38,9 @@ EJECT_AFTER_FAILURES = 2
 # a worker ejected for timeouts again and again is held out timeout_hold_s, doubling with
 # each ejection in a row to 2**HOLD_DOUBLINGS times it
 HOLD_DOUBLINGS = 5
+# how long a worker list change (start-up included) waits for its new workers' discovery;
+# the rest goes on in the background
+DISCOVERY_WAIT_S = 5.0
 
 
 @dataclass
@@ -169,6 +172,7 @@ class WorkerPool:
         # and another (DNS, the file, the admin API) adding it back meanwhile would have its
         # new endpoints taken out of the fleet by the first one's removal
         self._reconciling = asyncio.Lock()
+        self._discovering: set[asyncio.Task[None]] = set()  # past DISCOVERY_WAIT_S
         self.checks = WorkerChecks(self)
         # called when a worker is taken out of rotation as dead or hung (the app fails the
         # requests in flight to it, so they can be retried elsewhere)
@@ -193,8 +197,9 @@ class WorkerPool:
         ]
 
     async def stop(self) -> None:
-        for task in self._loops:
+        for task in [*self._loops, *self._discovering]:
             task.cancel()
+        await asyncio.gather(*self._discovering, return_exceptions=True)
         await self.checks.stop()
         for h in list(self.handles.values()):
             await self._stop_feeds(h)
@@ -230,8 +235,24 @@ class WorkerPool:
             for h in new:
                 self.handles[h.name] = h
         # discovery (HTTP, seconds on a slow worker) outside the lock; `discover_once` skips a
-        # worker a later change removed meanwhile
-        await asyncio.gather(*(self.discover_once(h) for h in new))
+        # worker a later change removed meanwhile. Waited for DISCOVERY_WAIT_S at most: a
+        # worker that accepts connections and never answers (each call up to its 10 s
+        # timeout) would hold start-up, and with it /live, past a liveness probe's patience;
+        # it goes on in the background, and the worker is routed to as answers come
+        tasks = [asyncio.create_task(self.discover_once(h)) for h in new]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=DISCOVERY_WAIT_S)
+            for task in pending:
+                self._discovering.add(task)
+                task.add_done_callback(self._discovered_late)
+            for task in tasks:
+                if task.done():
+                    task.result()  # its error, as when it was awaited whole
+
+    def _discovered_late(self, task: asyncio.Task[None]) -> None:
+        self._discovering.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("discovering a worker failed", exc_info=task.exception())
 
     async def discover_once(self, h: WorkerHandle) -> None:
         """`discover`, unless another caller did it or the worker was removed meanwhile."""
