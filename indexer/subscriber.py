@@ -29,6 +29,13 @@ log = logging.getLogger("kvroute.subscriber")
 END_SEQ = b"\xff" * 8
 RECONNECT_MIN_MS = 100
 RECONNECT_MAX_MS = 5000
+# ZMTP pings on the subscription: a subscriber sends nothing of its own, so a connection
+# left half-open (the engine's node lost power, a NAT or proxy dropped it silently) would
+# never be noticed nor dialled again; unanswered for ZMQ_PING_TIMEOUT_MS, it is dropped and
+# reconnected (the replay fills what it missed). libzmq answers pings on its I/O thread, so
+# an engine busy in a long step still answers.
+ZMQ_PING_IVL_MS = 1000
+ZMQ_PING_TIMEOUT_MS = 5000
 RESTART_BACKOFF_S = (0.1, 30.0)  # first and longest wait before restarting a failed loop
 STABLE_S = 60.0  # a loop that ran this long before failing restarts at the first wait again
 REPLAY_PART = 256  # replayed batches applied between turns of the event loop (~40 ms)
@@ -252,6 +259,8 @@ class EventSubscriber:
         sub.setsockopt(zmq.RECONNECT_IVL, RECONNECT_MIN_MS)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
         sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.HEARTBEAT_IVL, ZMQ_PING_IVL_MS)
+        sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMQ_PING_TIMEOUT_MS)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         tasks = [asyncio.create_task(self._watch(monitor)), asyncio.create_task(self._receive(sub))]

@@ -74,6 +74,7 @@ import zmq
 import zmq.asyncio
 
 from indexer.hashing import RouterBlockHash
+from indexer.subscriber import ZMQ_PING_IVL_MS, ZMQ_PING_TIMEOUT_MS
 from indexer.ttl import TtlIndex
 from router.core.fleet import EVENTS, FleetState
 from router.core.load import PeerLoad
@@ -292,6 +293,10 @@ class PlacementLink:
         sub.setsockopt(zmq.RCVHWM, HWM)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.IPV6, 1)  # a dual-stack Service may answer AAAA too
+        # a connection left half-open (a peer's node lost power) is dropped and dialled
+        # again, as the KV event subscriptions do (`indexer.subscriber`)
+        sub.setsockopt(zmq.HEARTBEAT_IVL, ZMQ_PING_IVL_MS)
+        sub.setsockopt(zmq.HEARTBEAT_TIMEOUT, ZMQ_PING_TIMEOUT_MS)
         return sub
 
     async def stop(self) -> None:

@@ -471,3 +471,73 @@ async def test_a_replay_cancelled_as_its_reply_arrives_is_cancelled() -> None:
     fetch.cancel()  # in the same turn of the loop as the reply
     done, _ = await asyncio.wait({fetch}, timeout=2)
     assert fetch in done and fetch.cancelled(), replies
+
+
+class FreezingProxy:
+    """TCP relay to `port`; `freeze()` stops relaying on the connections it has, leaving
+    them open (a host that lost power, a NAT that forgot them); new ones relay."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.frozen: list[dict[str, bool]] = []
+        self.writers: list[asyncio.StreamWriter] = []
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return f"tcp://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _relay(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        br, bw = await asyncio.open_connection("127.0.0.1", self.port)
+        state = {"frozen": False}
+        self.frozen.append(state)
+        self.writers += [cw, bw]
+
+        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await r.read(65536):
+                    if state["frozen"]:
+                        continue  # swallowed: nothing goes through, nothing is closed
+                    w.write(data)
+                    await w.drain()
+
+        await asyncio.gather(pipe(cr, bw), pipe(br, cw))
+
+    def freeze(self) -> None:
+        for state in self.frozen:
+            state["frozen"] = True
+
+    async def stop(self) -> None:
+        for w in self.writers:
+            w.close()
+        if self.server is not None:
+            self.server.close()
+
+
+async def test_a_half_open_subscription_is_dropped_and_dialled_again() -> None:
+    """A subscriber sends nothing of its own, so without pings a connection left half-open
+    was never noticed: the worker's events stopped for good, the index went stale."""
+    pub = await started(drop=set())
+    engine = Engine(pub)
+    assert pub.endpoint is not None
+    proxy = FreezingProxy(int(pub.endpoint.rpartition(":")[2]))
+    via = await proxy.start()
+    index = PrefixIndex()
+    index.add_worker("w")
+    ingest = WorkerIngest("w", index, decode_batch, FakeClock(), has_replay=True)
+    sub = ProbedSubscriber(ingest, via, replay_endpoint=pub.replay_endpoint)
+    task = asyncio.create_task(sub.run())
+    try:
+        await wait_until(lambda: sub.status.connected)
+        await heard(pub, sub)
+        await engine.store(1)
+        await wait_until(lambda: index_view(index, range(1, 3)) == {1: 3})
+        proxy.freeze()
+        await engine.store(2)
+        await wait_until(lambda: index_view(index, range(1, 3)) == truth(engine), timeout=20)
+        assert sub.status.connects >= 2
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await proxy.stop()
+        await pub.stop()
