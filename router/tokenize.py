@@ -399,5 +399,7 @@ def truncate(
 
 
 def _chat_key(messages: Sequence[Mapping[str, Any]], *how: Any) -> tuple[str, str]:
-    """`how`: the prompt flags, kwargs and (when the request has one) its template."""
-    return "m", json.dumps([messages, *how], sort_keys=True, default=str)
+    """`how`: the prompt flags, kwargs and (when the request has one) its template. Key
+    order is kept: templates print tools and arguments with `tojson`, which keeps it, so
+    two orders are two renderings."""
+    return "m", json.dumps([messages, *how], default=str)
