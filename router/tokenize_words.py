@@ -16,8 +16,11 @@ rest is looked at (and are learned, so a vocabulary that comes back is soon know
 grown cache then skips the next few texts unlooked: traffic the cache cannot help costs
 ~10 us a text.
 
-Bounded: at `max_words` the cache starts over (natural text fills it again within a few
-requests). Keys and values are `str` and `bytes`, which the garbage collector never walks.
+Bounded: at `max_words` words or `max_chars` characters the cache starts over (natural
+text fills it again within a few requests), and a word longer than `MAX_WORD_CHARS` is
+encoded but not kept: a run without spaces (Chinese, base64, minified JSON) is one "word"
+that seldom comes back, and 3,000 distinct 3,000-character Chinese prompts kept 126 MB.
+Keys and values are `str` and `bytes`, which the garbage collector never walks.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class WordIds:
     `encode_words(texts)` must return each text's ids encoded alone, without specials."""
 
     SAMPLE_CHARS = 256  # a text's opening words tell whether the rest is worth looking up
+    MAX_WORD_CHARS = 128  # natural words, numbers and URLs fit; longer runs are not kept
     COOLDOWN = 7  # after a text mostly of new words, skip this many texts unlooked
 
     def __init__(
@@ -63,11 +67,14 @@ class WordIds:
         encode_words: Callable[[list[str]], list[bytes]],
         max_words: int = 1 << 16,
         learn: int = 48,
+        max_chars: int = 1 << 21,
     ) -> None:
         self._encode = encode_words
         self._spaced: dict[str, bytes] = {}  # " " + key -> ids
         self._first: dict[str, bytes] = {}  # a text's first word, no space before it
         self.max_words = max_words
+        self.max_chars = max_chars
+        self.chars = 0  # characters of the words kept
         self.learn = learn
         self._cooldown = 0
         self.hits = 0  # texts answered from known words (after learning a few)
@@ -89,13 +96,13 @@ class WordIds:
             self.hits += 1
             return head + b"".join(got)  # type: ignore[arg-type]
         new = list(dict.fromkeys(k for k, ids in zip(rest, got, strict=True) if ids is None))
-        learned = self._remember(first if head is None else None, new[: self.learn])
+        learned, first_ids = self._remember(first if head is None else None, new[: self.learn])
         if len(new) > self.learn:
             self.misses += 1
             return None
         self.hits += 1
         pairs = zip(rest, got, strict=True)
-        head = head if head is not None else self._first[first]  # type: ignore[index]
+        head = head if head is not None else first_ids
         return head + b"".join([learned[k] if ids is None else ids for k, ids in pairs])
 
     def _promising(self, text: str) -> bool:
@@ -112,20 +119,27 @@ class WordIds:
             self._cooldown = self.COOLDOWN + 1
         return False
 
-    def _remember(self, first: str | None, new: list[str]) -> dict[str, bytes]:
-        """Encode and keep `new` spaced words (and a new first word); their ids by key."""
+    def _remember(self, first: str | None, new: list[str]) -> tuple[dict[str, bytes], bytes]:
+        """Encode `new` spaced words (and a new first word) and keep the short ones; their
+        ids by key, and the first word's ids (b"" without one)."""
         texts = [" " + k for k in new] + ([first] if first is not None else [])
         if not texts:
-            return {}
+            return {}, b""
         found = self._encode(texts)
-        if len(self) + len(texts) > self.max_words:
+        learned = dict(zip(new, found, strict=False))
+        keep = {k: ids for k, ids in learned.items() if len(k) <= self.MAX_WORD_CHARS}
+        first_ids = found[-1] if first is not None else b""
+        short_first = [first] if first is not None and len(first) <= self.MAX_WORD_CHARS else []
+        chars = sum(map(len, keep)) + sum(map(len, short_first))
+        count = len(self) + len(keep) + len(short_first)
+        if count > self.max_words or self.chars + chars > self.max_chars:
             self._spaced.clear()
             self._first.clear()
-        learned = dict(zip(new, found, strict=False))
-        self._spaced.update(learned)
-        if first is not None:
-            self._first[first] = found[-1]
-        return learned
+            self.chars = 0
+        self._spaced.update(keep)
+        self._first.update((word, first_ids) for word in short_first)
+        self.chars += chars
+        return learned, first_ids
 
     def __len__(self) -> int:
         return len(self._spaced) + len(self._first)

@@ -122,6 +122,35 @@ def test_bounded_it_starts_over(raw: Tokenizer) -> None:
             assert len(cache) <= 64
 
 
+def _kept_chars(cache: WordIds) -> list[int]:
+    return [len(k) for k in (*cache._spaced, *cache._first)]
+
+
+@pytest.mark.parametrize("where", ["after a first word", "first"])
+def test_long_words_are_answered_but_not_kept(raw: Tokenizer, where: str) -> None:
+    """A run without spaces (Chinese, base64) is one word that seldom comes back: kept, 3,000
+    distinct 3,000-character prompts held 126 MB."""
+    cache = _encoder(raw)
+    rng = random.Random(3)
+    head = "Translate this: " if where != "first" else ""
+    for _ in range(20):
+        body = "".join(chr(0x4E00 + rng.randrange(3000)) for _ in range(3000))
+        text = f"{head}{body} and {body[:5]}"
+        got = cache.ids(text)
+        assert got is None or _as_list(got) == _ids(raw, text)
+    assert max(_kept_chars(cache)) <= WordIds.MAX_WORD_CHARS
+    assert cache.chars == sum(_kept_chars(cache)) < 200
+
+
+def test_kept_characters_are_bounded(raw: Tokenizer) -> None:
+    cache = WordIds(_encoder(raw)._encode, max_chars=4000, learn=1 << 10)
+    for k in range(40):
+        text = " ".join(f"w{k}x{i}{'z' * 100}" for i in range(8))
+        got = cache.ids(text)
+        assert got is None or _as_list(got) == _ids(raw, text)
+        assert cache.chars == sum(_kept_chars(cache)) <= 4000
+
+
 def test_tokenizer_answers_distinct_prompts_from_words(raw: Tokenizer) -> None:
     """Through LocalTokenizer: prompts that share nothing but their vocabulary are joined
     from known words (no tokenizer call once the words are known), and stay exact."""
