@@ -40,7 +40,10 @@ class RoutingInput:
     # whose template places its own
     add_special_tokens: bool = True
     truncate_prompt_tokens: int | None = None  # keep this many (-1: the context length)
-    truncation_side: str | None = None  # "left" | "right"; None: vLLM's default, left
+    truncation_side: str | None = None  # "left" | "right"; None: the tokenizer's side
+    # the side vLLM loads the tokenizer with (vllm/tokenizers/registry.py): left for
+    # generative models, right for pooling ones (embeddings keep the text's start)
+    tokenizer_side: str = "left"
     # vLLM's -1 leaves one token of the context for output when the request asks for any
     output_reserved: bool = True
     cache_salt: str | None = None
@@ -143,6 +146,7 @@ def parse_passthrough(path: str, body: bytes) -> RoutingInput:
                 "model": model,
                 "truncate_prompt_tokens": _truncate(doc),
                 "truncation_side": _side(doc),
+                "tokenizer_side": "right",
                 "add_special_tokens": _flag(doc, "add_special_tokens", True),
                 "output_reserved": False,  # -1 keeps the whole context: no output
                 "engine_judges_length": True,

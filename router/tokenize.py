@@ -376,15 +376,21 @@ def special_ends(whole: Sequence[int], bare: Sequence[int]) -> tuple[int, int]:
 
 
 def truncate(
-    ids: Sequence[int], keep: int, side: str | None, ends: tuple[int, int] = (0, 0)
+    ids: Sequence[int],
+    keep: int,
+    side: str | None,
+    ends: tuple[int, int] = (0, 0),
+    *,
+    tokenizer_side: str = "left",
 ) -> Sequence[int]:
     """The prompt vLLM runs for `truncate_prompt_tokens=keep` (`truncation_side=side`).
 
-    Without a side, vLLM lets the tokenizer truncate (its side is left for generative
-    models), which keeps the special ids it adds (`ends`: how many at the head and the
-    tail, as `special_ends` finds them; (0, 0) for a prompt of token ids or one encoded
-    without specials): BOS and the last `keep - 1` ids. With an explicit side, vLLM cuts
-    the encoded prompt, specials included."""
+    Without a side, vLLM lets the tokenizer truncate, on the side it loaded it with
+    (`tokenizer_side`: left for generative models, right for pooling ones), which keeps
+    the special ids it adds (`ends`: how many at the head and the tail, as `special_ends`
+    finds them; (0, 0) for a prompt of token ids or one encoded without specials): BOS
+    and the last (or first) ids. With an explicit side, vLLM cuts the encoded prompt,
+    specials included."""
     if len(ids) <= keep:
         return ids
     if keep == 0:
@@ -394,8 +400,9 @@ def truncate(
     head, tail = ends if side is None else (0, 0)
     end = len(ids) - tail
     body = max(keep - head - tail, 0)
-    out = [*ids[:head], *ids[end - body : end], *ids[end:]]
-    return out[-keep:]
+    kept = ids[head : head + body] if side is None and tokenizer_side == "right" else None
+    out = [*ids[:head], *(ids[end - body : end] if kept is None else kept), *ids[end:]]
+    return out[-keep:] if kept is None else out[:keep]
 
 
 def _chat_key(messages: Sequence[Mapping[str, Any]], *how: Any) -> tuple[str, str]:
