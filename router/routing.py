@@ -239,7 +239,7 @@ class DecisionService:
         ends = (0, 0)
         if rin.prompt_ids is None and rin.add_special_tokens and rin.truncation_side is None:
             ends = await self._special_ends(rin, base, tokens)
-        return truncate(tokens, keep, rin.truncation_side, ends)
+        return truncate(tokens, keep, rin.truncation_side, ends, tokenizer_side=rin.tokenizer_side)
 
     async def _special_ends(
         self, rin: RoutingInput, base: str | None, tokens: Sequence[int]

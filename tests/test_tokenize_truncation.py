@@ -50,3 +50,22 @@ def test_completions_keep_the_end() -> None:
     ids = tok.completion(TEN)
     got = truncate(ids, 5, rin.truncation_side, tok.special_ends, tokenizer_side=rin.tokenizer_side)
     assert list(got) == ids[:1] + ids[-4:]
+
+
+async def test_the_router_hashes_an_embeddings_input_by_its_first_tokens() -> None:
+    """The decision service's own path: what it hashes is the start vLLM's pooling keeps."""
+    from engines.sim.config import SimConfig
+    from engines.sim.fleet import run_fleet
+    from router.app import RouterApp
+    from router.core.config import Config, WorkerConfig
+    from router.procs import serve_in_process
+
+    async with run_fleet(1, SimConfig(block_size=16, kv_blocks=64)) as fleet:
+        config = Config(workers=(WorkerConfig(fleet.urls[0]),), tokenizer=str(PACKAGED_TOKENIZER))
+        app = RouterApp(config.validate())
+        async with serve_in_process(app):
+            body = {"model": "kvroute-sim", "input": TEN, "truncate_prompt_tokens": 5}
+            rin = parse_passthrough("/v1/embeddings", json.dumps(body).encode())
+            got = await app.routing.tokens(rin, None, rin.keep_tokens(None))
+            ids = LocalTokenizer(PACKAGED_TOKENIZER).completion(TEN)
+            assert list(got) == ids[:5]
