@@ -381,11 +381,10 @@ class DecisionService:
             for tell in self.on_sent:
                 tell(worker, hashes, decision.new_prefix)
 
-    def unreachable(self, worker: str, why: str) -> None:
-        """A gateway could not send to `worker` (connect refused, stream reset before the
-        request): out of rotation till a health check passes, as at the proxy's failed
-        connect."""
-        self.pool.eject(worker, why)
+    def passed_over(self, worker: str, why: str) -> None:
+        """A gateway served a later fallback than `worker`: probed at once, out of rotation
+        if it cannot be reached (`WorkerPool.probe_passed_over`)."""
+        self.pool.probe_passed_over(worker, why)
 
     def reassign(self, ticket: Ticket, worker: str) -> Ticket:
         """The request was served by another endpoint than the one started (a gateway's

@@ -120,6 +120,8 @@ class WorkerChecks:
         if was_down and self.pool.held(h) > 0:
             return  # ejected for timeouts again: a passing /health is no sign of its engine
         if not h.discovered:
+            if h.lock.locked():
+                return  # its discovery is under way: no round waits on one worker's calls
             await self.pool.discover_once(h)
         elif was_down:
             # it may be a new engine process with other flags: ask it again. An ejection is

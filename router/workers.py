@@ -172,7 +172,11 @@ class WorkerPool:
         # and another (DNS, the file, the admin API) adding it back meanwhile would have its
         # new endpoints taken out of the fleet by the first one's removal
         self._reconciling = asyncio.Lock()
-        self._discovering: set[asyncio.Task[None]] = set()  # past DISCOVERY_WAIT_S
+        # discoveries under way, and their workers: a list change waits DISCOVERY_WAIT_S for
+        # its own, and a removal stops the removed worker's
+        self._discovering: dict[asyncio.Task[None], WorkerHandle] = {}
+        self._probing: set[str] = set()  # workers probed after a gateway passed them over
+        self._probes: set[asyncio.Task[None]] = set()
         self.checks = WorkerChecks(self)
         # called when a worker is taken out of rotation as dead or hung (the app fails the
         # requests in flight to it, so they can be retried elsewhere)
@@ -197,9 +201,10 @@ class WorkerPool:
         ]
 
     async def stop(self) -> None:
-        for task in [*self._loops, *self._discovering]:
+        stopping = [*self._discovering, *self._probes]
+        for task in [*self._loops, *stopping]:
             task.cancel()
-        await asyncio.gather(*self._discovering, return_exceptions=True)
+        await asyncio.gather(*stopping, return_exceptions=True)
         await self.checks.stop()
         for h in list(self.handles.values()):
             await self._stop_feeds(h)
@@ -225,6 +230,12 @@ class WorkerPool:
                 n for n in self.handles if n not in wanted or self.handles[n].config != wanted[n]
             ]:
                 h = self.handles.pop(name)
+                # its first discovery may be waiting on a hung worker's timeouts, holding
+                # the lock: this change, and every one queued behind it, would wait too
+                ours = [t for t, of in self._discovering.items() if of is h]
+                for task in ours:
+                    task.cancel()
+                await asyncio.gather(*ours, return_exceptions=True)
                 async with h.lock:  # a rediscovery in flight subscribes first, then stops here
                     await self._stop_feeds(h)
                 names = [state.name for state in h.states]
@@ -239,18 +250,19 @@ class WorkerPool:
         # worker that accepts connections and never answers (each call up to its 10 s
         # timeout) would hold start-up, and with it /live, past a liveness probe's patience;
         # it goes on in the background, and the worker is routed to as answers come
-        tasks = [asyncio.create_task(self.discover_once(h)) for h in new]
+        tasks = []
+        for h in new:
+            task = asyncio.create_task(self.discover_once(h))
+            self._discovering[task] = h
+            task.add_done_callback(self._discovered)
+            tasks.append(task)
         if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=DISCOVERY_WAIT_S)
-            for task in pending:
-                self._discovering.add(task)
-                task.add_done_callback(self._discovered_late)
-            for task in tasks:
-                if task.done():
-                    task.result()  # its error, as when it was awaited whole
+            # not cancelled with this call (a watcher stopped mid-change): the pool's stop
+            # cancels them, and a removal its worker's
+            await asyncio.wait(tasks, timeout=DISCOVERY_WAIT_S)
 
-    def _discovered_late(self, task: asyncio.Task[None]) -> None:
-        self._discovering.discard(task)
+    def _discovered(self, task: asyncio.Task[None]) -> None:
+        self._discovering.pop(task, None)
         if not task.cancelled() and task.exception() is not None:
             log.error("discovering a worker failed", exc_info=task.exception())
 
@@ -509,6 +521,33 @@ class WorkerPool:
             self.fleet.forget_cache(f.state.name)
             self.fleet.load.forget_batch(f.state.name)  # its batch limit may differ too
             f.state.health = self.health_tracker(f.state.name, h)
+
+    def probe_passed_over(self, endpoint: str, why: str) -> None:
+        """A gateway went past `endpoint` to a later fallback: it could not connect there,
+        or the address is not yet in its cluster (a worker new to the fleet, before the
+        gateway's own resolve sees it). Probed at once: out of rotation only where a
+        connection fails too, so a dead worker stops ranking first for new prefixes within
+        a request and a healthy one the gateway has not met yet stays in."""
+        h = self.handle_of(endpoint)
+        if h is None or not h.available or h.name in self._probing:
+            return
+        self._probing.add(h.name)
+        task = asyncio.create_task(self._probe(h, why))
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, h: WorkerHandle, why: str) -> None:
+        try:
+            await self.client.get(
+                f"{h.url}/health", headers=h.auth, timeout=self.config.health_timeout_s
+            )
+            return  # it answers: whatever its status, the health checks judge it
+        except httpx.HTTPError as exc:
+            why = f"{why}, and /health failed too: {type(exc).__name__}"
+        finally:
+            self._probing.discard(h.name)
+        if self.handles.get(h.name) is h:
+            self.set_down(h, why)
 
     def eject(self, endpoint: str, why: str) -> None:
         """A request could not connect: stop routing there until a health check passes."""

@@ -59,7 +59,7 @@ class DecisionService:
     rng: random.Random = field(init=False)
     decisions: list[tuple[str, list[str]]] = field(default_factory=list)  # (model, ranked)
     tickets: list[Ticket] = field(default_factory=list)
-    unreachable_told: list[str] = field(default_factory=list)  # endpoints, in order told
+    passed_over_told: list[str] = field(default_factory=list)  # endpoints, in order told
 
     def __post_init__(self) -> None:
         self.rng = random.Random(self.seed)
@@ -95,8 +95,8 @@ class DecisionService:
         self.tickets.append(ticket)
         return ticket
 
-    def unreachable(self, worker: str, why: str) -> None:
-        self.unreachable_told.append(worker)
+    def passed_over(self, worker: str, why: str) -> None:
+        self.passed_over_told.append(worker)
 
     def reassign(self, ticket: Ticket, worker: str) -> Ticket:
         ticket.events.append(("reassign", worker))

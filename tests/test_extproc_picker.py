@@ -64,7 +64,7 @@ async def test_accounting_follows_the_response(picker: Any) -> None:
     assert ticket.events[1] == ("reassign", served) and picked != served
     assert ticket.events[-1] == ("finish", (200, None))
     # the gateway went past the first choice: it could not send there
-    assert picked in svc.unreachable_told and served not in svc.unreachable_told
+    assert picked in svc.passed_over_told and served not in svc.passed_over_told
 
 
 async def test_health_follows_readiness(picker: Any) -> None:

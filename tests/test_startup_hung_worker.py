@@ -41,6 +41,12 @@ async def test_a_hung_worker_does_not_hold_start_up() -> None:
                 resp = await client.post("/v1/completions", json=body, timeout=30)
                 assert resp.status_code == 200
                 assert resp.headers["x-kvroute-worker"] == fleet.urls[0].split("//")[1]
+                # the operator removes the hung worker while it is still being discovered:
+                # the change does not wait out its timeouts
+                started = time.monotonic()
+                await app.pool.set_workers((WorkerConfig(fleet.urls[0]),))
+                assert time.monotonic() - started < 3
+                assert sorted(app.pool.handles) == [fleet.urls[0].split("//")[1]]
     finally:
         for writer in held:
             writer.close()

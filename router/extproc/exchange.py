@@ -258,15 +258,16 @@ class Exchange:
             self.svc.first_token(self.ticket)
 
     def _eject_skipped(self, served: str) -> None:
-        """The gateway moves down the fallback list only where an address failed to connect,
-        refused the stream or reset it before the request (the route's retry_on): those
-        before the one that served are out of rotation till a health check passes, as the
-        proxy does at a failed connect. Left in, a dead worker holds no load and takes no
-        cache, so it would rank first for every new prefix until its health checks fail."""
+        """The gateway moved down the fallback list: the addresses before the one that
+        served failed to connect, refused the stream or reset it (the route's retry_on), or
+        are not in its cluster yet (override_host passes over those without a try). Each is
+        probed, and out of rotation if it cannot be reached either: left in, a dead worker
+        holds no load and takes no cache, so it would rank first for every new prefix until
+        its health checks fail."""
         for address, endpoint in self.sent.items():
             if address == served:
                 return
-            self.svc.unreachable(endpoint, f"the gateway could not send to {address}")
+            self.svc.passed_over(endpoint, f"the gateway went past {address}")
 
     def _response_body(self, msg: Any) -> Responses:
         if self.ticket is not None:
