@@ -175,6 +175,8 @@ class Supervisor:
         self.children: dict[int, subprocess.Popen[bytes]] = {}
         self.started: dict[int, float] = {}
         self.stopping = False
+        self.stopped_at: float | None = None  # when the supervisor first saw the stop
+        self.killed = False  # a child outlived its drain and was killed
 
     def _spawn(self, i: int) -> None:
         env = dict(os.environ)
@@ -195,6 +197,7 @@ class Supervisor:
         if self.stopping and sig == signal.SIGINT:
             sig = signal.SIGKILL  # a second Ctrl-C: now
         self.stopping = True
+        self.stopped_at = self.stopped_at or time.monotonic()
         for child in self.children.values():
             with contextlib.suppress(ProcessLookupError):
                 child.send_signal(sig)
@@ -208,22 +211,22 @@ class Supervisor:
                 if self.stopping:  # a signal came while the first ones started
                     break
                 self._spawn(i)
-            return self._watch()
+            code = self._watch()
         finally:
             self._stop_all()
             shutil.rmtree(self.directory, ignore_errors=True)
+        return code or int(self.killed)  # a child that had to be killed: not a clean stop
 
     def _watch(self) -> int:
         from prometheus_client import multiprocess
 
         codes: dict[int, int] = {}
         quick: dict[int, int] = {}  # deaths in a row within QUICK_DEATH_S of a start
-        stopped_at: float | None = None
         while len(codes) < len(self.children):
             time.sleep(0.2)
             if self.stopping:
-                stopped_at = stopped_at or time.monotonic()
-                if time.monotonic() - stopped_at > self.drain_s + 5:
+                self.stopped_at = self.stopped_at or time.monotonic()
+                if time.monotonic() - self.stopped_at > self.drain_s + 5:
                     break  # a child still up past its drain: `_stop_all` ends it
             for i, child in list(self.children.items()):
                 code = child.poll()
@@ -251,7 +254,9 @@ class Supervisor:
         return max(codes.values(), default=0)
 
     def _stop_all(self) -> None:
-        deadline = time.monotonic() + self.drain_s + 5
+        # one drain's time from the stop, not another from here: the pod's grace period
+        # covers one
+        deadline = (self.stopped_at or time.monotonic()) + self.drain_s + 5
         for child in self.children.values():
             if child.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -262,3 +267,4 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 child.kill()
                 child.wait()
+                self.killed = True

@@ -659,14 +659,22 @@ def test_a_stopping_supervisor_gives_up_on_a_child_past_its_drain(
 ) -> None:
     from router.processes import Supervisor
 
-    _stand_in(tmp_path, monkeypatch, "trap '' TERM\nsleep 30 &\nwait")
+    ready = tmp_path / "ready"
+    _stand_in(tmp_path, monkeypatch, f"trap '' TERM\ntouch {ready}\nsleep 30 &\nwait")
     sup = Supervisor([], 1, drain_s=0.5)
     try:
         sup._spawn(0)
-        sup.stopping = True
+        deadline = time.monotonic() + 10
+        while not ready.exists():  # it ignores SIGTERM from here on
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        sup._forward(signal.SIGTERM, None)
         started = time.monotonic()
         sup._watch()
-        assert time.monotonic() - started < 15  # drain + 5 s, not the child's whim
+        sup._stop_all()
+        # one drain + 5 s from the stop in all, not the child's whim nor two drains
+        assert time.monotonic() - started < 7.5
+        assert sup.killed
     finally:
         for child in sup.children.values():
             child.kill()
