@@ -95,3 +95,27 @@ def test_self_signed_goes_alone_and_with_a_port() -> None:
         )  # fmt: skip
     with pytest.raises(ConfigError, match="without --ext-proc-port"):
         server_from_args(args("--ext-proc-tls-self-signed"), svc)
+
+
+@pytest.mark.slow
+async def test_envoy_config_ext_proc_tls_dials_a_self_signed_picker() -> None:
+    """`kvroute envoy-config --ext-proc-tls`, as deploy/envoy/standalone.yaml dials the
+    gateway overlay's picker."""
+    from router.envoy.bootstrap import Endpoint as EnvoyEndpoint
+    from router.envoy.bootstrap import GatewayConfig, _picker_cluster
+
+    made = _picker_cluster(
+        GatewayConfig(8080, EnvoyEndpoint("127.0.0.1", 1), (), picker_tls=True),
+        EnvoyEndpoint("127.0.0.1", 1),
+    )
+
+    def same_as_envoy_config(doc: dict[str, Any]) -> None:
+        (picker,) = [
+            c for c in doc["static_resources"]["clusters"] if c["name"] == "kvroute_picker"
+        ]
+        picker["transport_socket"] = made["transport_socket"]
+
+    async with gateway(picker_tls=SelfSigned(), tweak=same_as_envoy_config) as gw:
+        resp = await gw.complete("over tls " * 20)
+        assert resp.status_code == 200, resp.text[:300]
+        assert resp.headers["x-kvroute-worker"] in gw.addresses

@@ -153,6 +153,8 @@ class GatewayConfig:
     more_pickers: tuple[Endpoint, ...] = ()
     # a listener on listen_host:stats_port serving only the admin's /stats/prometheus
     stats_port: int | None = None
+    # TLS to the picker without verifying it (a picker with --ext-proc-tls-self-signed)
+    picker_tls: bool = False
 
     def validate(self) -> GatewayConfig:
         if self.body_mode not in ("buffered", "full-duplex"):
@@ -522,6 +524,16 @@ def _picker_cluster(cfg: GatewayConfig, picker: Endpoint) -> dict[str, Any]:
         },
         "load_assignment": load_assignment(PICKER, members),
     }
+    if cfg.picker_tls:
+        # no validation context: encrypted, not verified, as gateways dial GIE's self-signed
+        # picker; the name the self-signed certificate carries as SNI
+        cluster["transport_socket"] = {
+            "name": "envoy.transport_sockets.tls",
+            "typed_config": {
+                "@type": T + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                "sni": "kvroute-epp",
+            },
+        }
     if cfg.failure_mode == "open":
         cluster.update(_picker_health(cfg))
     return cluster

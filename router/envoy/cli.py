@@ -64,6 +64,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "(needs --admin-port)",
     )
     p.add_argument(
+        "--ext-proc-tls",
+        action="store_true",
+        help="dial the picker with TLS, not verifying its certificate: a picker started with "
+        "--ext-proc-tls-self-signed (deploy/k8s/gateway's kvroute-epp)",
+    )
+    p.add_argument(
         "--max-body-bytes", type=int, default=32 * 1024 * 1024, help="413 above (default 32 MiB)"
     )
     p.add_argument("--eds-file", type=Path, metavar="F", help="read the workers from F (watched)")
@@ -86,6 +92,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         response_body=args.response_body,
         admin_port=args.admin_port,
         stats_port=args.stats_port,
+        picker_tls=args.ext_proc_tls,
         max_body_bytes=args.max_body_bytes,
         eds_path=args.eds_file,
     ).validate()
