@@ -251,7 +251,11 @@ class Config:
         )
         _check(self.max_body_bytes > 0, "max_body_bytes", "must be a positive number of bytes")
         _check(self.eject_after_timeouts >= 1, "eject_after_timeouts", "must be >= 1")
-        _check(self.timeout_hold_s >= 0, "timeout_hold_s", "must be >= 0 seconds (0: no hold)")
+        _check(
+            0 <= self.timeout_hold_s < math.inf,
+            "timeout_hold_s",
+            "must be >= 0 seconds, finite (0: no hold)",
+        )
         _check(self.warm_connections >= 0, "warm_connections", "must be >= 0 (0: off)")
         _check(self.log_format in ("text", "json"), "log_format", "use text or json")
         _check(
@@ -532,7 +536,8 @@ def _endpoint_ok(endpoint: str, wildcard: bool = False) -> bool:
     engine binds: dialled at the worker's host)."""
     if not endpoint.startswith("tcp://"):
         return False
-    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    # ZMQ's tcp://SOURCE;HOST:PORT dials from a given local address: HOST:PORT is the peer
+    host, _, port = endpoint[len("tcp://") :].rpartition(";")[2].rpartition(":")
     if not (port.isdigit() and 1 <= int(port) <= 65535):
         return False
     return (wildcard and host == "*") or host_ok(host)
