@@ -325,12 +325,12 @@ class WorkerIngest:
         try:
             batch = self._decode(payload)
         except MalformedBatch as exc:
+            # dropped whole, the index as it was: junk must not cost what valid batches
+            # taught (a removal inside it stays unseen until the block is stored again)
             self._malformed(seq, exc.reason, str(exc))
-            self._start_over(f"KV event batch {seq} could not be decoded")
             return
         except Exception as exc:  # a decoder's bug must not end the stream either
             self._malformed(seq, "decode", f"{type(exc).__name__}: {exc}")
-            self._start_over(f"KV event batch {seq} could not be decoded")
             return
         try:
             self.apply_batch(batch)
@@ -339,9 +339,8 @@ class WorkerIngest:
             self._start_over(f"KV event batch {seq} could not be applied")
 
     def _start_over(self, reason: str) -> None:
-        """A batch of the stream the index missed, or half applied: it may have held
-        removals or a clear the engine never says again, so the worker's index starts over
-        rather than promise blocks the engine dropped (the next batches fill it)."""
+        """A batch half applied: the index starts over rather than trust it (the next
+        batches fill it)."""
         self.counters.resyncs += 1
         with contextlib.suppress(KeyError):  # the worker left the index meanwhile
             self.index.clear_worker(self.worker)

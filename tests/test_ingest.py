@@ -265,18 +265,15 @@ def test_a_reconnect_during_a_replay_is_not_a_restart(
     assert ingest.counters.restarts == 1
 
 
-def test_malformed_payload_is_counted_and_dropped_and_the_index_starts_over(
+def test_malformed_payload_is_counted_and_dropped(
     setup: tuple[PrefixIndex, WorkerIngest, FakeClock],
 ) -> None:
-    """What the bad batch held is unknown: removals or a clear the engine never says again
-    among it, the index would promise blocks the engine dropped."""
     index, ingest, _ = setup
     ingest.on_live(0, block(1))
     assert ingest.on_live(1, b"\x00garbage") is None
     assert ingest.counters.malformed == 1
     assert ingest.counters.malformed_by_reason == {"decode": 1}
-    assert not holds(index, 1) and ingest.counters.resyncs == 1
-    assert ingest.health.report().state is EventHealth.RESYNCING
+    assert holds(index, 1) and ingest.counters.resyncs == 0
     assert ingest.on_live(2, block(2)) is None  # no gap: the bad batch consumed its seq
     assert ingest.counters.gaps == 0 and holds(index, 2)
 
@@ -339,16 +336,15 @@ def test_a_malformed_batch_is_contained(
     setup: tuple[PrefixIndex, WorkerIngest, FakeClock], payload: bytes, reason: str
 ) -> None:
     """Defect 1: an event whose type is a list or a dict, 50,000-deep arrays or extra_keys
-    shorter than the block list used to raise out of the ingest and end the subscriber.
-    The stream goes on; what the bad batch held is unknown, so the index starts over."""
+    shorter than the block list used to raise out of the ingest and end the subscriber."""
     index, ingest, _ = setup
     ingest.on_live(0, block(1))
     assert ingest.on_live(1, payload) is None
     assert ingest.on_live(2, block(2)) is None
-    assert not holds(index, 1) and holds(index, 2)
+    assert holds(index, 1) and holds(index, 2)
     c = ingest.counters
     assert (c.malformed, c.malformed_by_reason) == (1, {reason: 1})
-    assert (c.gaps, c.resyncs, c.restarts) == (0, 1, 0)
+    assert (c.gaps, c.resyncs, c.restarts) == (0, 0, 0)
 
 
 def test_malformed_batches_are_logged_once_per_burst(
