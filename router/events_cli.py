@@ -69,12 +69,14 @@ def _endpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topic", default="", help='topic to subscribe to (vLLM default "")')
 
 
-def _subscribe(args: argparse.Namespace) -> Any:
+def _subscribe(args: argparse.Namespace, *, unbounded: bool = False) -> Any:
     import zmq
 
     ctx: zmq.Context[Any] = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
+    if unbounded:
+        sub.setsockopt(zmq.RCVHWM, 0)
     sub.setsockopt(zmq.SUBSCRIBE, args.topic.encode())
     sub.connect(args.endpoint)
     return sub
@@ -93,67 +95,117 @@ def _stop_on_sigterm() -> None:
 
 def _capture(args: argparse.Namespace) -> int:
     _stop_on_sigterm()
-    sub = _subscribe(args)
+    # subscribed before the history is asked for, so no batch falls between the two; the
+    # queue is unbounded because live batches wait in it while the history is written
+    sub = _subscribe(args, unbounded=True)
     writer = CaptureWriter(args.out)
-    time.sleep(0.3)  # let the subscription reach the publisher before asking for history
-    if args.replay_endpoint and not _capture_history(args.replay_endpoint, writer):
-        print(
-            f"warning: the replay socket {args.replay_endpoint} did not answer; batches "
-            "published before this capture started are missing",
-            file=sys.stderr,
-        )
-    writer.flush()  # the index exists from here on: readers can tell the capture is live
-    print(f"capturing from {args.endpoint} into {args.out}", file=sys.stderr, flush=True)
-    deadline = time.monotonic() + args.seconds if args.seconds else None
-    live = 0
     try:
-        while args.batches is None or live < args.batches:
-            if deadline is not None and time.monotonic() >= deadline:
-                break
-            if not sub.poll(200):
-                continue
-            frames = sub.recv_multipart()
-            if len(frames) != 3:
-                print(f"skipping a message with {len(frames)} frames", file=sys.stderr)
-                continue
-            writer.add("pub", frames)
-            live += 1
+        time.sleep(0.3)  # let the subscription reach the publisher before asking for history
+        if args.replay_endpoint and not _capture_history(args.replay_endpoint, writer):
+            print(
+                f"warning: the replay socket {args.replay_endpoint} did not answer; batches "
+                "published before this capture started are missing",
+                file=sys.stderr,
+            )
+        writer.open_index()  # the index exists from here on: readers can tell the capture is live
+        print(f"capturing from {args.endpoint} into {args.out}", file=sys.stderr, flush=True)
+        _capture_live(sub, writer, args.batches, args.seconds)
     except KeyboardInterrupt:
         pass
     finally:
         sub.close()
+        writer.close()  # stopped at any point, the index lists every message received
+    live = writer.counts["pub"]
     print(f"captured {live} live batches ({len(writer)} messages) into {args.out}")
     return 0
 
 
-def _capture_history(endpoint: str, writer: CaptureWriter, attempts: int = 3) -> bool:
-    """Ask the replay socket for everything from sequence 0; True once its end marker came.
-    A fresh DEALER per attempt, so a late answer to an earlier one cannot interleave."""
+def _capture_live(
+    sub: Any, writer: CaptureWriter, batches: int | None, seconds: float | None
+) -> None:
+    deadline = time.monotonic() + seconds if seconds else None
+    while batches is None or writer.counts["pub"] < batches:
+        if deadline is not None and time.monotonic() >= deadline:
+            return
+        if not sub.poll(200):
+            continue
+        frames = sub.recv_multipart()
+        if len(frames) != 3:
+            print(f"skipping a message with {len(frames)} frames", file=sys.stderr)
+            continue
+        writer.add("pub", frames)
+
+
+def _capture_history(endpoint: str, writer: CaptureWriter, rounds: int = 4) -> bool:
+    """Ask the replay socket for everything from sequence 0 and write it in sequence order,
+    its end marker last; True once an end marker came. vLLM's ROUTER drops what outruns its
+    queue to this socket, so a reply with holes, or cut short, is asked again from its first
+    missing batch, as the router's ReplayClient does."""
+    from indexer.subscriber import _first_missing
+
+    got: dict[int, list[bytes]] = {}
+    end: list[bytes] | None = None
+    floor = 0  # batches below it are out of the engine's buffer
+    start: int | None = 0
+    for _ in range(rounds):
+        if start is None:
+            break
+        batches, marker = _fetch_history(endpoint, start)
+        if not batches and marker is None:
+            break  # the engine does not answer: asking again waits as long again
+        if batches and min(batches) > start:
+            floor = max(floor, min(batches))
+        got.update(batches)
+        end = marker or end
+        start = _first_missing(dict.fromkeys(got, b""), floor, end is not None)
+    for frames in [*(got[seq] for seq in sorted(got)), *([end] if end else [])]:
+        writer.add("replay", frames, prefix="replay_from0")
+    return end is not None
+
+
+def _fetch_history(endpoint: str, start: int) -> tuple[dict[int, list[bytes]], list[bytes] | None]:
+    """One replay request on a fresh DEALER (a late answer to an earlier one cannot
+    interleave): [topic, seq, payload] of each batch by seq, and the end marker's frames,
+    None if it did not come."""
     import zmq
 
-    from indexer.subscriber import END_SEQ
+    from indexer.subscriber import END_SEQ, parse_seq, seq_bytes
 
-    for _ in range(attempts):
-        dealer: Any = zmq.Context.instance().socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(endpoint)
-        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-        frames: list[list[bytes]] = []
-        done = False
+    dealer: Any = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    # unbounded: the engine's ROUTER drops, without a word, what overflows this queue
+    dealer.setsockopt(zmq.RCVHWM, 0)
+    dealer.connect(endpoint)
+    dealer.send_multipart([b"", seq_bytes(start)])
+    batches: dict[int, list[bytes]] = {}
+    try:
         while dealer.poll(5000):
             reply = dealer.recv_multipart()
-            if len(reply) != 4:
-                continue
-            frames.append(reply[1:])
-            if reply[2] == END_SEQ:
-                done = True
-                break
+            frames = _reply_frames(reply)
+            if frames is None:
+                print(f"skipping a replay reply of {len(reply)} frames", file=sys.stderr)
+            elif frames[1] == END_SEQ:
+                return batches, frames
+            else:
+                batches[parse_seq(frames[1])] = frames
+        return batches, None
+    finally:
         dealer.close()
-        if done:
-            for topic, seq, payload in frames:
-                writer.add("replay", [topic, seq, payload], prefix="replay_from0")
-            return True
-    return False
+
+
+def _reply_frames(reply: list[bytes]) -> list[bytes] | None:
+    """[topic, seq, payload] of a replay reply in either shape vLLM sent (the older one has
+    no topic frame: written empty); None for a reply of neither shape."""
+    from indexer.subscriber import parse_replay_reply, seq_bytes
+
+    try:
+        parsed = parse_replay_reply(reply)
+    except ValueError:  # a sequence frame that is not 8 bytes
+        return None
+    if parsed is None:
+        return None
+    seq, payload = parsed
+    return [reply[1] if len(reply) == 4 else b"", seq_bytes(seq), payload]
 
 
 def _replay(args: argparse.Namespace) -> int:
