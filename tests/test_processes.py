@@ -10,7 +10,6 @@ import contextlib
 import itertools
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -626,57 +625,77 @@ def test_pd_counters_read_from_the_decode_worker_are_counted_once() -> None:
         assert reported() > counted[-1]
 
 
-def _stand_in(folder: Path, monkeypatch: pytest.MonkeyPatch, script: str) -> None:
-    """Children run `script` (sh) in place of `kvroute serve`."""
-    exe = folder / "child.sh"
-    exe.write_text(f"#!/bin/sh\n{script}\n")
-    exe.chmod(0o755)
-    monkeypatch.setattr(sys, "executable", str(exe))
+SUPERVISE = """
+import signal, shutil, sys, time
+from pathlib import Path
+from router.processes import Supervisor
+folder = Path(sys.argv[1])
+exe = folder / "child.sh"
+exe.write_text("#!/bin/sh\\n" + sys.argv[2] + "\\n")
+exe.chmod(0o755)
+sys.executable = str(exe)  # children run the stand-in in place of kvroute serve
+sup = Supervisor([], 1, drain_s=float(sys.argv[3]))
+try:
+%s
+finally:
+    for child in sup.children.values():
+        child.kill()
+        child.wait()
+    shutil.rmtree(sup.directory, ignore_errors=True)
+"""
 
 
-def test_a_child_started_as_a_stop_comes_is_stopped_too(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _supervise(folder: Path, child: str, drain_s: float, body: str) -> str:
+    """`body` run against a Supervisor whose children run `child` (sh), in a fresh
+    interpreter: one that loaded gRPC (this suite's) aborts a child forked with a
+    preexec_fn, before its exec."""
+    code = SUPERVISE % "\n".join("    " + line for line in body.strip().splitlines())
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(folder), child, str(drain_s)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_a_child_started_as_a_stop_comes_is_stopped_too(tmp_path: Path) -> None:
     """A SIGTERM forwarded while a child was being started passed it by: that child served
     on, and the supervisor waited for it forever."""
-    from router.processes import Supervisor
-
-    _stand_in(tmp_path, monkeypatch, "exec sleep 30")
-    sup = Supervisor([], 1, drain_s=1.0)
-    try:
-        sup.stopping = True  # the signal came while Popen ran
-        sup._spawn(0)
-        assert sup.children[0].wait(10) == -signal.SIGTERM
-    finally:
-        for child in sup.children.values():
-            child.kill()
-            child.wait()
-        shutil.rmtree(sup.directory, ignore_errors=True)
+    said = _supervise(
+        tmp_path,
+        "exec sleep 30",
+        1.0,
+        """
+sup.stopping = True  # the signal came while Popen ran
+sup._spawn(0)
+print(sup.children[0].wait(10))
+""",
+    )
+    assert said == str(-signal.SIGTERM)
 
 
-def test_a_stopping_supervisor_gives_up_on_a_child_past_its_drain(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from router.processes import Supervisor
-
+def test_a_stopping_supervisor_gives_up_on_a_child_past_its_drain(tmp_path: Path) -> None:
     ready = tmp_path / "ready"
-    _stand_in(tmp_path, monkeypatch, f"trap '' TERM\ntouch {ready}\nsleep 30 &\nwait")
-    sup = Supervisor([], 1, drain_s=0.5)
-    try:
-        sup._spawn(0)
-        deadline = time.monotonic() + 10
-        while not ready.exists():  # it ignores SIGTERM from here on
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        sup._forward(signal.SIGTERM, None)
-        started = time.monotonic()
-        sup._watch()
-        sup._stop_all()
-        # one drain + 5 s from the stop in all, not the child's whim nor two drains
-        assert time.monotonic() - started < 7.5
-        assert sup.killed
-    finally:
-        for child in sup.children.values():
-            child.kill()
-            child.wait()
-        shutil.rmtree(sup.directory, ignore_errors=True)
+    said = _supervise(
+        tmp_path,
+        f"trap '' TERM; touch {ready}; sleep 30 & wait",
+        0.5,
+        f"""
+sup._spawn(0)
+deadline = time.monotonic() + 10
+while not Path({str(ready)!r}).exists():  # it ignores SIGTERM from here on
+    assert time.monotonic() < deadline
+    time.sleep(0.01)
+sup._forward(signal.SIGTERM, None)
+started = time.monotonic()
+sup._watch()
+sup._stop_all()
+print(round(time.monotonic() - started, 1), sup.killed)
+""",
+    )
+    took, killed = said.split()
+    # one drain + 5 s from the stop in all, not the child's whim nor two drains
+    assert float(took) < 7.5 and killed == "True"
