@@ -18,8 +18,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from replay_shapes import TopiclessReplay
 
-from engines.sim.events_pub import END_SEQ, EventPublisher, PublisherConfig
+from engines.sim.events_pub import EventPublisher, PublisherConfig
 from engines.vllm import events as wire
 from indexer import capture
 from indexer.capture import INDEX_FILE, CaptureWriter, read_capture
@@ -32,17 +33,7 @@ TOPIC = "kv-events"
 KVROUTE = [sys.executable, "-m", "router.cli", "--log-level", "WARNING", "events", "capture"]
 
 
-class TopiclessReplayPublisher(EventPublisher):
-    """Answers replays as vLLM did before vllm-project/vllm#45177 put the topic in: the
-    DEALER gets `[b"", seq, payload]`, and `[b"", END_SEQ, b""]` at the end."""
-
-    async def _serve_replay(self) -> None:
-        assert self._replay is not None
-        while True:
-            client, _, start = await self._replay.recv_multipart()
-            for seq, payload in self.buffered(int.from_bytes(start, "big")):
-                await self._replay.send_multipart((client, b"", seq_bytes(seq), payload))
-            await self._replay.send_multipart((client, b"", END_SEQ, b""))
+TopiclessReplayPublisher = TopiclessReplay  # the older 3-frame replies
 
 
 class HoleyReplayPublisher(EventPublisher):

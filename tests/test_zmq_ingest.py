@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 import zmq
 import zmq.asyncio
+from replay_shapes import TopiclessReplay
 
 from engines.sim.events_pub import EventPublisher, PublisherConfig
 from engines.vllm import events as wire
@@ -52,18 +53,8 @@ class RawPublisher(LossyPublisher):
         await self._pub.send_multipart(list(frames))
 
 
-class TopiclessReplayPublisher(RawPublisher):
-    """Answers replays as vLLM did before vllm-project/vllm#45177 put the topic in (its
-    `_service_replay` sent `(client_id, b"", seq, buf)`, then `(client_id, b"", END_SEQ,
-    b"")`): the DEALER gets 3 frames, not 0.32's 4."""
-
-    async def _serve_replay(self) -> None:
-        assert self._replay is not None
-        while True:
-            client, _, start = await self._replay.recv_multipart()
-            for seq, payload in self.buffered(int.from_bytes(start, "big")):
-                await self._replay.send_multipart((client, b"", seq_bytes(seq), payload))
-            await self._replay.send_multipart((client, b"", END_SEQ, b""))
+class TopiclessReplayPublisher(TopiclessReplay, RawPublisher):
+    """RawPublisher answering replays in the older 3-frame shape (tests/replay_shapes.py)."""
 
 
 class Engine:

@@ -248,7 +248,7 @@ class Exchange:
             self.ticket = self.svc.reassign(self.ticket, worker)
             self.worker = worker
         if served in self.sent:
-            self._eject_skipped(served)
+            self._probe_passed_over(served)
         if req.response_headers.end_of_stream:
             self._finish(None)
         elif not self.reads_response and self.ticket is not None:
@@ -257,7 +257,7 @@ class Exchange:
             self.first = False
             self.svc.first_token(self.ticket)
 
-    def _eject_skipped(self, served: str) -> None:
+    def _probe_passed_over(self, served: str) -> None:
         """The gateway moved down the fallback list: the addresses before the one that
         served failed to connect, refused the stream or reset it (the route's retry_on), or
         are not in its cluster yet (override_host passes over those without a try). Each is
